@@ -1,0 +1,5 @@
+import sys
+
+from relex.cli import main
+
+sys.exit(main())

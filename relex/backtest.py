@@ -1,0 +1,112 @@
+"""`relex backtest`: fit on an observed prefix, predict every later observed step, and measure the error.
+
+Everything comes from one Gram pass over all recorded steps: a prediction Δ̂ = Σᵢ wᵢ Δᵢ over the prefix has
+‖Δ̂ − Δ_m‖² = wᵀ G_pp w − 2 wᵀ G_pm + G_mm, and the cosine between the rank-1 direction of the prefix and of the
+later steps is |u_pᵀ G_pl u_l| / (σ_p σ_l). No prediction is ever written out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import median
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from relex.errors import RelexError
+from relex.extrapolate.methods import Plan, get_method
+from relex.fit.fit import FitConfig, module_type, validate
+from relex.fit.gram import resolve_device, tensor_gram
+from relex.fit.trajectory_fit import fit_tensor
+from relex.store import TrajectoryStore
+
+LOG = logging.getLogger(__name__)
+
+DEFAULT_METHODS = ("relex", "two-point", "per-param")
+
+
+@dataclass
+class BacktestResult:
+    observed: list[int]
+    later: list[int]
+    methods: list[str]
+    # method -> later step -> module type -> [error², truth²]
+    errors: dict[str, dict[int, dict[str, list[float]]]] = field(default_factory=dict)
+    drift: dict[str, float] = field(default_factory=dict)  # tensor -> |cos| of early vs late rank-1 direction
+
+    def relative_error(self, method: str, step: int, group: str | None = None) -> float:
+        cells = self.errors[method][step]
+        keys = [group] if group is not None else list(cells)
+        err = sum(cells[k][0] for k in keys)
+        truth = sum(cells[k][1] for k in keys)
+        return (err / truth) ** 0.5 if truth > 0 else float("nan")
+
+    def module_types(self) -> list[str]:
+        return sorted(next(iter(next(iter(self.errors.values())).values())))
+
+    def drift_by_module_type(self) -> dict[str, float]:
+        groups: dict[str, list[float]] = {}
+        for name, cos in self.drift.items():
+            groups.setdefault(module_type(name), []).append(cos)
+        return {group: median(values) for group, values in sorted(groups.items())}
+
+    def to_dict(self) -> dict:
+        return {
+            "observed_steps": self.observed,
+            "later_steps": self.later,
+            "relative_error": {
+                m: {str(s): {"all": self.relative_error(m, s), **{g: self.relative_error(m, s, g) for g in self.module_types()}} for s in self.later}
+                for m in self.methods
+            },
+            "drift_cosine_median": median(self.drift.values()) if self.drift else None,
+            "drift_cosine_by_module_type": self.drift_by_module_type(),
+            "drift_cosine_by_tensor": self.drift,
+        }
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+
+def _direction(gram: np.ndarray) -> tuple[np.ndarray, float]:
+    values, vectors = np.linalg.eigh(gram)
+    return vectors[:, -1], float(np.sqrt(max(values[-1], 0.0)))
+
+
+def backtest_store(store: TrajectoryStore, observe_until: int, methods: list[str], config: FitConfig) -> BacktestResult:
+    steps = store.steps
+    prefix = [s for s in steps if s <= observe_until]
+    later = [s for s in steps if s > observe_until]
+    if not later:
+        raise RelexError(f"--observe-until {observe_until}: no recorded step after it to predict (last is {steps[-1]})")
+    window = validate(config, prefix)
+    method_objs = {name: get_method(name) for name in methods}
+    plan = Plan(np.asarray(prefix), window, config.temporal_model())
+    for method in method_objs.values():
+        if method.name in ("reconstruct", "observed"):
+            raise RelexError(f"method {method.name!r} predicts observed steps only; backtest compares extrapolations")
+        method.check(plan, later)
+    p, n = len(prefix), len(steps)
+    device = resolve_device(config.device)
+    reader = store.reader(steps)
+    result = BacktestResult(prefix, later, list(methods), {m: {s: {} for s in later} for m in methods})
+    for name in tqdm(store.trajectory_names, desc="backtest: Gram matrices", unit="tensor", leave=False):
+        gram = tensor_gram(reader, name, device, config.chunk_elements)
+        g_pp, group = gram[:p, :p], module_type(name)
+        fit = fit_tensor(name, plan.steps, g_pp, config.rank, plan.model, plan.window) if any(m.needs_fit for m in method_objs.values()) else None
+        for method_name, method in method_objs.items():
+            w = method.weights(plan, np.asarray(later), fit)
+            for row, m in zip(w, range(p, n)):
+                err = float(row @ g_pp @ row - 2 * row @ gram[:p, m] + gram[m, m])
+                cell = result.errors[method_name][steps[m]].setdefault(group, [0.0, 0.0])
+                cell[0] += max(err, 0.0)
+                cell[1] += float(gram[m, m])
+        if gram[0, 0] > 0 and gram[p:, p:].trace() > 0:
+            (u_early, s_early), (u_late, s_late) = _direction(g_pp), _direction(gram[p:, p:])
+            result.drift[name] = abs(float(u_early @ gram[:p, p:] @ u_late)) / (s_early * s_late)
+    return result
+
+
+__all__ = ["BacktestResult", "DEFAULT_METHODS", "backtest_store"]

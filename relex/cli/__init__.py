@@ -1,0 +1,67 @@
+"""The `relex` command line: one thin module per subcommand.
+
+Each module in this package defines `add_arguments(parser)` and `run(args)`; `run` validates its input and calls
+one library function. Only the module of the subcommand being run is imported. A `RelexError` becomes a one-line message and exit status 2, with no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from relex.errors import RelexError
+
+# subcommand (= module in relex.cli) -> one-line help
+COMMANDS = {
+    "demo": "Run the whole pipeline on the embedded SmolLM2-135M: warmup, fit, extrapolate, evaluate, plot, report.",
+    "train": "Run a GRPO warmup with verifiable rewards, recording parameter deltas into a trajectory store.",
+    "ingest": "Make a trajectory store from a run's checkpoints (HF Trainer, verl, or plain folders with --steps).",
+    "fit": "Fit each tensor's rank-r trajectory direction and its growth in the step number.",
+    "extrapolate": "Write Hugging Face checkpoints at target steps (relex, reconstruct, observed, two-point, per-param).",
+    "backtest": "Fit on an observed prefix, predict later observed steps, and report errors and direction drift.",
+    "eval": "Score checkpoints with a task's verifier on held-out problems (pass@1 with intervals, pass@k, maj@k).",
+    "sweep": "Extrapolate to several horizons, evaluate each on a validation split, and recommend a target step.",
+    "plot": "Draw trajectory, variance, accuracy and reward figures as PNG files.",
+    "report": "Write a Markdown report of a run: config, rewards, fit diagnostics, backtest and evaluation.",
+}
+
+
+def _load(name: str):
+    return importlib.import_module(f"relex.cli.{name}")
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="relex", description="Record, fit and extrapolate RLVR weight trajectories.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, text in COMMANDS.items():
+        command = sub.add_parser(name, help=text, description=text)
+        if name == only:
+            _load(name).add_arguments(command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    try:
+        parser = build_parser(only=command if command in COMMANDS else None)
+        args = parser.parse_args(argv)
+        logging.basicConfig(
+            level=logging.DEBUG if args.verbose else logging.INFO,
+            format="%(levelname)s %(name)s: %(message)s",
+        )
+        result = _load(args.command).run(args)
+    except RelexError as error:
+        print(f"relex {command or ''}: error: {error}".replace("  ", " "), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("relex: interrupted", file=sys.stderr)
+        return 130
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

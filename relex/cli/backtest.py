@@ -1,0 +1,35 @@
+"""`relex backtest`: parse the options and call the library."""
+
+
+def add_arguments(parser):
+    from relex.cli.common import add_fit_options
+
+    parser.add_argument("store", help="a trajectory store")
+    parser.add_argument("--methods", default="relex,two-point,per-param", help="comma-separated methods to compare")
+    parser.add_argument("--out", default=None, help="write the full result as JSON here")
+    add_fit_options(parser)
+
+
+def run(args):
+    from relex.backtest import backtest_store
+    from relex.cli.common import console, fit_config_from, table
+    from relex.errors import RelexError
+    from relex.store import TrajectoryStore
+
+    if args.observe_until is None:
+        raise RelexError("backtest needs --observe-until S: the last step the fit may see")
+    store = TrajectoryStore.open(args.store)
+    config = fit_config_from(args)
+    until, config.observe_until = config.observe_until, None
+    result = backtest_store(store, until, [m.strip() for m in args.methods.split(",") if m.strip()], config)
+    shown = result.later if len(result.later) <= 8 else result.later[:: max(1, len(result.later) // 8)] + [result.later[-1]]
+    shown = sorted(set(shown))
+    rows = [[m] + [result.relative_error(m, s) for s in shown] for m in result.methods]
+    console.print(table(f"relative error ‖Δ̂ − Δ‖/‖Δ‖, fit on steps ≤ {until} ({len(result.observed)} observed)", ["method"] + [f"step {s}" for s in shown], rows))
+    last = result.later[-1]
+    drift = result.drift_by_module_type()
+    rows = [[g] + [result.relative_error(m, last, g) for m in result.methods] + [drift.get(g, float("nan"))] for g in result.module_types()]
+    console.print(table(f"at step {last}, by module type", ["module type"] + result.methods + ["drift |cos|"], rows))
+    if args.out:
+        result.save(args.out)
+        console.print(f"backtest written to {args.out}")

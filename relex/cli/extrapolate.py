@@ -1,0 +1,45 @@
+"""`relex extrapolate`: parse the options and call the library."""
+
+
+def add_arguments(parser):
+    from relex.cli.common import add_fit_options
+
+    parser.add_argument("store", help="a trajectory store")
+    parser.add_argument("--targets", required=True, help="target steps, e.g. 100,200,500")
+    parser.add_argument("--out", required=True, help="folder receiving step-<S>/ for each target")
+    parser.add_argument("--fit", default=None, help="a FIT folder from relex fit (default: fit now)")
+    parser.add_argument("--method", default="relex", help="relex (default), reconstruct, observed, two-point, per-param")
+    parser.add_argument("--anchors", default=None, help="two-point: steps A,B (0 is the base; default 0,<last observed>)")
+    parser.add_argument("--dtype", default=None, help="output dtype of float tensors (default: the base's)")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest shard, as transformers reads it (default 5GB)")
+    parser.add_argument("--overwrite", action="store_true")
+    add_fit_options(parser)
+
+
+def run(args):
+    from relex.cli.common import console, fit_config_from, table
+    from relex.errors import RelexError
+    from relex.extrapolate import ExtrapolateConfig, extrapolate_store, parse_targets
+    from relex.fit import FitResult
+    from relex.store import TrajectoryStore
+
+    store = TrajectoryStore.open(args.store)
+    anchors = None
+    if args.anchors:
+        try:
+            anchors = tuple(int(a) for a in args.anchors.split(","))
+        except ValueError:
+            raise RelexError(f"cannot read --anchors {args.anchors!r}; give two steps like 0,40") from None
+        if len(anchors) != 2:
+            raise RelexError(f"--anchors takes two steps A,B, got {args.anchors!r}")
+    config = ExtrapolateConfig(
+        targets=parse_targets(args.targets), method=args.method, fit=fit_config_from(args), anchors=anchors,
+        dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+    )
+    fit = FitResult.load(args.fit) if args.fit else None
+    reports = extrapolate_store(store, args.out, config, fit)
+    rows = [[str(r.path), r.target, r.horizon_ratio, "yes" if r.interpolation else "no", r.delta_norm, r.rounding_loss] for r in reports]
+    console.print(table(f"{args.method} checkpoints", ["folder", "step", "horizon ratio", "interpolation", "‖Δ̂‖", "dtype loss"], rows))
+    for r in reports:
+        if r.rounding_loss > 0.01:
+            console.print(f"warning: step {r.target}: the output dtype rounds away {100 * r.rounding_loss:.1f}% of the predicted update (‖lost‖/‖Δ̂‖); consider --dtype float32")

@@ -1,0 +1,30 @@
+"""`relex ingest`: parse the options and call the library."""
+
+
+def add_arguments(parser):
+    parser.add_argument("checkpoints", nargs="+", help="a run folder, step folders, or plain HF folders")
+    parser.add_argument("--base", required=True, help="the base checkpoint θ₀: a HF folder (or a hub id)")
+    parser.add_argument("--out", required=True, help="the store folder to create")
+    parser.add_argument("--steps", default=None, help="step numbers of plain folders, e.g. 10,20,40")
+    parser.add_argument("--copy", action="store_true", help="write the deltas into the store instead of referencing the checkpoints")
+    parser.add_argument("--delta-dtype", default=None, help="with --copy: store deltas as bf16 or fp16 (default: lossless float32)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing store")
+
+
+def run(args):
+    from relex.cli.common import console
+    from relex.ingest import ingest, parse_steps
+
+    store = ingest(
+        args.checkpoints, args.base, args.out, steps=parse_steps(args.steps), copy=args.copy,
+        delta_dtype=args.delta_dtype, overwrite=args.overwrite,
+    )
+    entries = store.entries
+    console.print(
+        f"store {store.path}: {len(entries)} steps ({', '.join(str(e.step) for e in entries)}), "
+        f"{len(store.trajectory_names)} trajectory tensors, tied {store.tied or 'none'}, "
+        f"{'copied' if args.copy else 'referenced in place'}, {store.size_bytes() / 2**20:.1f} MiB"
+    )
+    errors = [e.quantization_error for e in entries if e.quantization_error is not None]
+    if errors:
+        console.print(f"delta quantization error ({args.delta_dtype}): max ‖q(Δ)−Δ‖/‖Δ‖ = {max(errors):.2e}")

@@ -1,0 +1,249 @@
+"""`relex extrapolate`: write θ₀ + Σᵢ wᵢ Δᵢ for every target step in one streaming pass over the store.
+
+For each tensor, in order: its weights (targets × T) come from the method (and the rank-r fit, computed here
+from the Gram when no FIT is given), then row chunks of the trajectory are read once and
+out = θ₀ + W · M is streamed into one Hugging Face folder per target (`OUT/step-<S>/`). Memory holds one chunk
+of T × rows values and its outputs; a tensor whose whole trajectory fits in `cache_elements` is read once for
+both the Gram and the weighted sum.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from relex import __version__
+from relex.errors import RelexError
+from relex.extrapolate.methods import Method, Plan, get_method
+from relex.fit.fit import FitConfig, FitResult, fit_from_grams, observed_steps, validate, window_indices
+from relex.fit.gram import chunk_gram, resolve_device
+from relex.fit.trajectory_fit import TensorFit, fit_tensor
+from relex.io.checkpoint import CheckpointReader, TensorInfo
+from relex.io.dtypes import dtype_name, parse_dtype
+from relex.io.hf_folder import HFFolderWriter, parse_size
+from relex.store import TrajectoryStore
+
+LOG = logging.getLogger(__name__)
+
+DEFAULT_CACHE_ELEMENTS = 2**27  # 512 MiB of float32: a trajectory up to this size is read once, not twice
+
+
+@dataclass
+class ExtrapolateConfig:
+    targets: list[int]
+    method: str = "relex"
+    fit: FitConfig = field(default_factory=FitConfig)
+    anchors: tuple[int, int] | None = None
+    dtype: str | None = None  # output dtype of float tensors; default: each tensor's base dtype
+    max_shard_size: str = "5GB"
+    overwrite: bool = False
+    cache_elements: int = DEFAULT_CACHE_ELEMENTS
+
+
+@dataclass
+class TargetReport:
+    target: int
+    path: Path
+    horizon_ratio: float
+    interpolation: bool
+    delta_norm: float = 0.0  # ‖Δ̂‖ over all tensors
+    rounding_loss: float = 0.0  # ‖cast(θ₀ + Δ̂) − (θ₀ + Δ̂)‖ / ‖Δ̂‖: the part of the update the output dtype loses
+    _lost_sq: float = 0.0
+    _pred_sq: float = 0.0
+
+
+def parse_targets(text: str) -> list[int]:
+    try:
+        targets = [int(part) for part in str(text).split(",") if part.strip()]
+    except ValueError:
+        raise RelexError(f"cannot read targets {text!r}; give step numbers like 100,200,500") from None
+    if not targets or any(t <= 0 for t in targets):
+        raise RelexError(f"targets {text!r}: give one or more positive step numbers like 100,200,500")
+    if len(set(targets)) != len(targets):
+        raise RelexError(f"targets {text!r}: a step is listed twice")
+    return targets
+
+
+def output_layout(base: dict[str, TensorInfo], tied: dict[str, str], dtype: torch.dtype | None) -> list[tuple[str, TensorInfo]]:
+    """Base tensors in output order: tied aliases after the tensor they share, float tensors in `dtype`."""
+    def out_info(info: TensorInfo) -> TensorInfo:
+        return TensorInfo(info.shape, dtype) if dtype is not None and info.is_float else info
+
+    names = sorted(base, key=lambda n: (n in tied, n))
+    return [(name, out_info(base[name])) for name in names]
+
+
+class _Pass:
+    """State of one extrapolation pass: the writers of every target and how each tensor is computed."""
+
+    def __init__(self, store: TrajectoryStore, out_dir: Path, config: ExtrapolateConfig, fit: FitResult | None):
+        self.store, self.out_dir, self.config, self.fit = store, out_dir, config, fit
+        self.method: Method = get_method(config.method)
+        steps = fit.steps.tolist() if fit is not None else observed_steps(store, config.fit.observe_until)
+        fit_config = fit.config if fit is not None else config.fit
+        if self.method.needs_fit and fit is None:
+            validate(fit_config, steps)
+        window = fit.tensors[next(iter(fit.tensors))].window if fit is not None and fit.tensors else window_indices(len(steps), fit_config.window)
+        self.fit_config = fit_config
+        self.plan = Plan(np.asarray(steps, dtype=np.int64), window, fit_config.temporal_model(), config.anchors)
+        self.method.check(self.plan, config.targets)
+        self.device = resolve_device(fit_config.device)
+        self.base = CheckpointReader(store.base_dir)
+        self.out_dtype = parse_dtype(config.dtype) if config.dtype else None
+        self.layout = output_layout(self.base.infos(), store.tied, self.out_dtype)
+        self.reader = store.reader(steps)
+        self.grams: dict[str, np.ndarray] = {}
+        self.reports = [self._report(t) for t in config.targets]
+
+    def _report(self, target: int) -> TargetReport:
+        inside = bool(target <= self.plan.window_steps[-1])
+        ratio = self.method.horizon_ratio(self.plan, target)
+        if inside and self.method.extrapolates:
+            LOG.warning(
+                "target %d is inside the observed window (steps %d..%d): this is interpolation, not extrapolation",
+                target, self.plan.window_steps[0], self.plan.window_steps[-1],
+            )
+        return TargetReport(target, self.out_dir / f"step-{target}", ratio, inside)
+
+    # ---- per tensor ----------------------------------------------------------------------------------------------
+    def tensor_fit(self, name: str, matrix: torch.Tensor | None) -> TensorFit:
+        if self.fit is not None:
+            return self.fit.tensors[name]
+        if matrix is not None:
+            gram = chunk_gram(matrix, self.device).cpu().numpy()
+        else:
+            gram = torch.zeros(len(self.plan.steps), len(self.plan.steps), dtype=torch.float64, device=self.device)
+            for _, chunk in self.reader.chunks(name, self.fit_config.chunk_elements):
+                gram += chunk_gram(chunk, self.device)
+            gram = gram.cpu().numpy()
+        self.grams[name] = gram
+        return fit_tensor(name, self.plan.steps, gram, self.fit_config.rank, self.plan.model, self.plan.window)
+
+    def weights(self, name: str, matrix: torch.Tensor | None) -> np.ndarray:
+        fit = self.tensor_fit(name, matrix) if self.method.needs_fit else None
+        return self.method.weights(self.plan, np.asarray(self.config.targets), fit)
+
+    def trajectory_outputs(self, name: str, info: TensorInfo):
+        """Yield (rows, [one output chunk per target]) for a tensor with a trajectory."""
+        cached = None
+        if self.method.needs_fit and self.fit is None and len(self.plan.steps) * info.numel <= self.config.cache_elements:
+            cached = self.reader.read(name)
+        w = self.weights(name, cached)
+        if not np.any(w):  # an all-zero trajectory keeps the base values
+            yield None, [self.base.read(name).to(self.out_dtype or info.dtype)] * len(self.reports)
+            return
+        w_t = torch.as_tensor(w, dtype=torch.float32, device=self.device)
+        chunks = [(None, cached)] if cached is not None else self.reader.chunks(name, self.fit_config.chunk_elements)
+        for rows, matrix in chunks:
+            base = self.base.read(name, rows)
+            predicted = (w_t @ matrix.to(self.device)).cpu()
+            yield rows, [self._combine(base, delta, report) for delta, report in zip(predicted, self.reports)]
+
+    def _combine(self, base: torch.Tensor, delta: torch.Tensor, report: TargetReport) -> torch.Tensor:
+        exact = base.float().reshape(-1) + delta
+        out = exact.to(self.out_dtype or base.dtype)
+        report._lost_sq += float((out.double() - exact.double()).pow(2).sum())
+        report._pred_sq += float(delta.double().pow(2).sum())
+        return out.reshape(base.shape)
+
+    def tensor_outputs(self, name: str, info: TensorInfo):
+        trajectory = set(self.store.trajectory_names)
+        canonical = self.store.tied.get(name, name)
+        if canonical in trajectory:
+            yield from self.trajectory_outputs(canonical, info)
+        else:  # non-float, or a tensor without a trajectory: the base values
+            base = self.base.read(name)
+            yield None, [base.to(info.dtype)] * len(self.reports)
+
+
+def extrapolate_store(store: TrajectoryStore, out_dir: str | Path, config: ExtrapolateConfig, fit: FitResult | None = None) -> list[TargetReport]:
+    """Write one HF folder per target under `out_dir`; returns what each target holds."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not config.overwrite:
+        raise RelexError(f"{out_dir}: exists and is not empty; pass --overwrite to replace its step folders")
+    max_shard = parse_size(config.max_shard_size)
+    state = _Pass(store, out_dir, config, fit)  # validates everything before anything is written
+    created = not out_dir.exists()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    writers = [HFFolderWriter(r.path, state.layout, base_dir=store.base_dir, max_shard_bytes=max_shard) for r in state.reports]
+    started = time.time()
+    try:
+        tied_outputs: dict[str, list[torch.Tensor]] = {}
+        for name, info in tqdm(state.layout, desc=f"extrapolate ({config.method})", unit="tensor", leave=False):
+            alias_of = store.tied.get(name)
+            if alias_of is not None and alias_of in tied_outputs:
+                for writer, values in zip(writers, tied_outputs.pop(alias_of)):
+                    writer.write(name, values)
+                continue
+            keep = name in store.tied.values()
+            parts: list[list[torch.Tensor]] = [[] for _ in writers]
+            for _, outputs in state.tensor_outputs(name, info):
+                for writer, values, part in zip(writers, outputs, parts):
+                    writer.write(name, values)
+                    if keep:
+                        part.append(values)
+            if keep:
+                tied_outputs[name] = [torch.cat([p.reshape(-1) for p in part]).reshape(info.shape) for part in parts]
+        fit_used = fit or (fit_from_grams(state.fit_config, state.plan.steps.tolist(), state.grams, {n: store.tensors[n].numel for n in state.grams}, str(store.path)) if state.grams else None)
+        for writer, report in zip(writers, state.reports):
+            report.delta_norm = report._pred_sq**0.5
+            report.rounding_loss = (report._lost_sq / report._pred_sq) ** 0.5 if report._pred_sq > 0 else 0.0
+            writer.finish(state.out_dtype or _config_dtype(state), _provenance(state, report, fit_used))
+    except BaseException:
+        for writer in writers:
+            writer.abort()
+        if created:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+    if fit is None and state.grams:
+        fit_used.save(out_dir / "fit", overwrite=True)
+    LOG.info("wrote %d checkpoint(s) in %.1f s", len(writers), time.time() - started)
+    return state.reports
+
+
+def _config_dtype(state: _Pass) -> torch.dtype | None:
+    """The dtype config.json should state: the base's most common float dtype."""
+    floats = [info.dtype for _, info in state.layout if info.is_float]
+    return max(set(floats), key=floats.count) if floats else None
+
+
+def _provenance(state: _Pass, report: TargetReport, fit: FitResult | None) -> dict:
+    config = state.config
+    return {
+        "relex_version": __version__,
+        "method": config.method,
+        "target_step": report.target,
+        "horizon_ratio": report.horizon_ratio,
+        "interpolation": report.interpolation,
+        "rank": state.fit_config.rank if state.method.needs_fit else None,
+        "temporal": state.fit_config.temporal_model().describe() if state.method.needs_fit else None,
+        "window_steps": state.plan.window_steps.tolist(),
+        "observed_steps": state.plan.steps.tolist(),
+        "anchors": list(state.method.anchors(state.plan)) if hasattr(state.method, "anchors") else None,
+        "fit_summary": fit.summary() if fit is not None and state.method.needs_fit else None,
+        "store": str(state.store.path.resolve()),
+        "base": str(state.store.base_dir.resolve()),
+        "output_dtype": dtype_name(state.out_dtype) if state.out_dtype else "base",
+        "predicted_delta_norm": report.delta_norm,
+        "rounding_loss": report.rounding_loss,
+    }
+
+
+def materialize_step(store_dir: str | Path, step: int, out_dir: str | Path) -> Path:
+    """Write the real checkpoint θ₀ + Δ_step of a recorded step as an HF folder at `out_dir`."""
+    store = TrajectoryStore.open(store_dir)
+    store.entry(step)
+    out_dir = Path(out_dir)
+    config = ExtrapolateConfig(targets=[step], method="observed", overwrite=True)
+    reports = extrapolate_store(store, out_dir.parent / f".{out_dir.name}.materialize", config)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    reports[0].path.rename(out_dir)
+    shutil.rmtree(out_dir.parent / f".{out_dir.name}.materialize", ignore_errors=True)
+    return out_dir

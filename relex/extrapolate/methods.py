@@ -1,0 +1,152 @@
+"""Extrapolation methods: each turns target steps into weights over the observed deltas (METHOD.md).
+
+Every method predicts Δ̂(s*) = Σᵢ wᵢ Δᵢ, so a method is just `weights(plan, targets, fit) -> (targets × T)`;
+the streaming pass that applies the weights is shared (relex.extrapolate.extrapolate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from relex.errors import RelexError
+from relex.fit.temporal import TemporalModel
+from relex.fit.trajectory_fit import TensorFit
+from relex.registry import Registry
+
+METHODS: Registry["Method"] = Registry("method")
+
+
+@dataclass
+class Plan:
+    """What the methods share for one run: the observed steps, the fit window and the options."""
+
+    steps: np.ndarray  # observed steps (T)
+    window: np.ndarray  # indices into steps that the temporal model / line fits see
+    model: TemporalModel | None = None
+    anchors: tuple[int, int] | None = None  # two-point: (a, b), a = 0 meaning the base
+
+    @property
+    def window_steps(self) -> np.ndarray:
+        return self.steps[self.window]
+
+    def index_of(self, step: int) -> int:
+        hits = np.flatnonzero(self.steps == step)
+        if not len(hits):
+            raise RelexError(f"step {step} is not an observed step; observed: {self.steps.tolist()}")
+        return int(hits[0])
+
+
+class Method:
+    name = ""
+    needs_fit = False  # needs the rank-r fit (the Gram pass)
+    extrapolates = True  # targets past the window are extrapolation; inside it, interpolation
+
+    def check(self, plan: Plan, targets: list[int]) -> None:
+        """Raise for targets or options this method cannot serve (before any data is read)."""
+
+    def horizon_ratio(self, plan: Plan, target: int) -> float:
+        first, last = plan.window_steps[0], plan.window_steps[-1]
+        return float((target - first) / (last - first)) if last > first else float("nan")
+
+    def weights(self, plan: Plan, targets: np.ndarray, fit: TensorFit | None) -> np.ndarray:
+        raise NotImplementedError
+
+
+@METHODS.register("relex")
+class RankRExtrapolation(Method):
+    """Rank-r directions with a temporal model of their coefficients: wᵢ = Σⱼ ĉⱼ u_{ij} / σⱼ."""
+
+    name = "relex"
+    needs_fit = True
+
+    def weights(self, plan, targets, fit):
+        return fit.extrapolation_weights(plan.model, targets)
+
+
+@METHODS.register("reconstruct")
+class Reconstruction(Method):
+    """The oracle rank-r projection of an observed step: w = U_r U_rᵀ e_m."""
+
+    name = "reconstruct"
+    needs_fit = True
+    extrapolates = False
+
+    def check(self, plan, targets):
+        for target in targets:
+            plan.index_of(target)
+
+    def weights(self, plan, targets, fit):
+        if fit.is_zero:
+            return np.zeros((len(targets), len(plan.steps)))
+        return np.stack([fit.reconstruction_weights(plan.index_of(int(t))) for t in targets])
+
+
+@METHODS.register("observed")
+class Observed(Method):
+    """The real checkpoint at an observed step (w = e_m): evaluates recorded steps without a separate copy."""
+
+    name = "observed"
+    extrapolates = False
+
+    def check(self, plan, targets):
+        for target in targets:
+            plan.index_of(target)
+
+    def weights(self, plan, targets, fit):
+        return np.eye(len(plan.steps))[[plan.index_of(int(t)) for t in targets]]
+
+
+@METHODS.register("two-point")
+class TwoPoint(Method):
+    """ExPO-style line through two checkpoints: θ_a + α(θ_b − θ_a), α = (s* − s_a)/(s_b − s_a); a = 0 is the base."""
+
+    name = "two-point"
+
+    def anchors(self, plan: Plan) -> tuple[int, int]:
+        return plan.anchors or (0, int(plan.window_steps[-1]))
+
+    def check(self, plan, targets):
+        a, b = self.anchors(plan)
+        if a >= b:
+            raise RelexError(f"two-point anchors must satisfy a < b, got a={a}, b={b}")
+        for anchor in (a, b):
+            if anchor != 0:
+                plan.index_of(anchor)
+
+    def horizon_ratio(self, plan, target):
+        a, b = self.anchors(plan)
+        return float((target - a) / (b - a))
+
+    def weights(self, plan, targets, fit):
+        a, b = self.anchors(plan)
+        alpha = (np.asarray(targets, dtype=np.float64) - a) / (b - a)
+        w = np.zeros((len(targets), len(plan.steps)))
+        w[:, plan.index_of(b)] += alpha
+        if a != 0:
+            w[:, plan.index_of(a)] += 1.0 - alpha
+        return w
+
+
+@METHODS.register("per-param")
+class PerParameterLine(Method):
+    """Each number's own least-squares line over the window: wᵢ = 1/n + (s* − s̄)(sᵢ − s̄)/Σ(sᵢ − s̄)²."""
+
+    name = "per-param"
+
+    def check(self, plan, targets):
+        if len(np.unique(plan.window_steps)) < 2:
+            raise RelexError("per-param needs at least 2 distinct observed steps in the window")
+
+    def weights(self, plan, targets, fit):
+        s = plan.window_steps.astype(np.float64)
+        centred = s - s.mean()
+        t = np.asarray(targets, dtype=np.float64)[:, None]
+        w = np.zeros((len(targets), len(plan.steps)))
+        w[:, plan.window] = 1.0 / len(s) + (t - s.mean()) * centred / np.sum(centred**2)
+        return w
+
+
+def get_method(name: str) -> Method:
+    return METHODS.get(name)()

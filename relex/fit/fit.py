@@ -1,0 +1,224 @@
+"""`relex fit`: one streaming pass over a store builds each tensor's Gram matrix, then tiny T × T algebra fits it.
+
+The result (a FIT folder) is small: per tensor the observed steps, eigenvalues, left vectors, temporal parameters
+and the Gram itself, so extrapolating to new targets, backtesting and plotting need no second look at the deltas.
+
+    FIT/fit.json            configuration, steps and per-tensor fit
+    FIT/gram.safetensors    the Gram matrix of every tensor (float64)
+    FIT/diagnostics.csv     explained variance and temporal R² per tensor
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from statistics import median
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from relex import __version__
+from relex.errors import RelexError
+from relex.fit.gram import resolve_device, tensor_gram
+from relex.fit.temporal import TEMPORAL_MODELS, TemporalModel, make_temporal
+from relex.fit.trajectory_fit import TensorFit, fit_tensor
+from relex.store import TrajectoryStore
+
+LOG = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_ELEMENTS = 2**25  # values per (T × rows) chunk: 256 MiB in float64
+
+
+@dataclass
+class FitConfig:
+    rank: int = 1
+    temporal: str = "linear"
+    degree: int | None = None  # for temporal="poly"
+    window: int | None = None  # the temporal model sees the last N observed steps (default: all)
+    observe_until: int | None = None  # only store steps ≤ this are observed (default: all)
+    device: str = "auto"
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
+
+    def temporal_model(self) -> TemporalModel:
+        return make_temporal(self.temporal, self.degree)
+
+
+def module_type(name: str) -> str:
+    """`model.layers.7.mlp.up_proj.weight` -> `mlp.up_proj.weight`: the name after its last numeric part."""
+    parts = name.split(".")
+    numeric = [i for i, part in enumerate(parts) if part.isdigit()]
+    return ".".join(parts[numeric[-1] + 1 :]) if numeric else name
+
+
+def observed_steps(store: TrajectoryStore, observe_until: int | None) -> list[int]:
+    steps = store.steps if observe_until is None else [s for s in store.steps if s <= observe_until]
+    if not steps:
+        raise RelexError(f"{store.path}: no recorded step ≤ {observe_until}; recorded: {store.steps[:5]}…")
+    return steps
+
+
+def window_indices(count: int, window: int | None) -> np.ndarray:
+    if window is None:
+        return np.arange(count)
+    if window < 1:
+        raise RelexError(f"--window must be a positive number of steps, got {window}")
+    return np.arange(max(0, count - window), count)
+
+
+def validate(config: FitConfig, steps: list[int]) -> np.ndarray:
+    """Check the configuration against the observed steps before any data is read; returns the window."""
+    TEMPORAL_MODELS.get(config.temporal)
+    if config.rank < 1:
+        raise RelexError(f"--rank must be at least 1, got {config.rank}")
+    if config.rank > len(steps):
+        raise RelexError(f"rank {config.rank} needs at least {config.rank} observed steps; there are {len(steps)}: {steps}")
+    window = window_indices(len(steps), config.window)
+    config.temporal_model().check_points(np.asarray(steps)[window])
+    return window
+
+
+@dataclass
+class FitResult:
+    config: FitConfig
+    steps: np.ndarray
+    tensors: dict[str, TensorFit]
+    grams: dict[str, np.ndarray]
+    numel: dict[str, int]
+    store_path: str = ""
+
+    @property
+    def model(self) -> TemporalModel:
+        return self.config.temporal_model()
+
+    def rows(self) -> list[dict]:
+        """One diagnostics row per tensor."""
+        out = []
+        for name, fit in self.tensors.items():
+            out.append(
+                {
+                    "tensor": name,
+                    "module_type": module_type(name),
+                    "numel": self.numel[name],
+                    "rank": fit.rank,
+                    "explained_variance": fit.explained_variance(self.config.rank),
+                    "explained_variance_rank1": fit.explained_variance(1),
+                    "r2_direction1": fit.r2[0] if fit.r2 else float("nan"),
+                    "sigma1": float(fit.sigma[0]) if fit.rank else 0.0,
+                }
+            )
+        return out
+
+    def summary_by_module_type(self) -> list[dict]:
+        groups: dict[str, list[dict]] = {}
+        for row in self.rows():
+            groups.setdefault(row["module_type"], []).append(row)
+        return [_summarise(name, rows) for name, rows in sorted(groups.items())] + [_summarise("all", self.rows())]
+
+    def summary(self) -> dict:
+        overall = _summarise("all", self.rows())
+        return {k: overall[k] for k in ("tensors", "median_explained_variance", "share_ev_ge_0.9", "median_r2")}
+
+    # ---- persistence ---------------------------------------------------------------------------------------------
+    def save(self, out_dir: str | Path, overwrite: bool = False) -> Path:
+        out_dir = Path(out_dir)
+        _refuse_existing(out_dir, overwrite)
+        tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        payload = {
+            "relex_version": __version__,
+            "store": self.store_path,
+            "config": asdict(self.config),
+            "steps": self.steps.tolist(),
+            "tensors": {
+                name: {
+                    "numel": self.numel[name],
+                    "window": fit.window.tolist(),
+                    "eigenvalues": fit.eigenvalues.tolist(),
+                    "u": fit.u.tolist(),
+                    "temporal": fit.temporal,
+                    "r2": fit.r2,
+                }
+                for name, fit in self.tensors.items()
+            },
+        }
+        (tmp / "fit.json").write_text(json.dumps(payload) + "\n")
+        save_file({f"gram/{n}": torch.from_numpy(g) for n, g in self.grams.items()}, str(tmp / "gram.safetensors"))
+        _write_csv(tmp / "diagnostics.csv", self.rows())
+        _write_csv(tmp / "summary_by_module_type.csv", self.summary_by_module_type())
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+        return out_dir
+
+    @classmethod
+    def load(cls, path: str | Path) -> "FitResult":
+        path = Path(path)
+        if not (path / "fit.json").is_file():
+            raise RelexError(f"{path}: not a relex fit (no fit.json); make one with `relex fit STORE --out {path}`")
+        payload = json.loads((path / "fit.json").read_text())
+        grams = {k.removeprefix("gram/"): v.numpy() for k, v in load_file(str(path / "gram.safetensors")).items()}
+        steps = np.asarray(payload["steps"], dtype=np.int64)
+        tensors = {}
+        for name, t in payload["tensors"].items():
+            u = np.asarray(t["u"], dtype=np.float64).reshape(len(steps), -1)
+            tensors[name] = TensorFit(name, steps, np.asarray(t["window"]), np.asarray(t["eigenvalues"]), u, t["temporal"], t["r2"])
+        numel = {name: t["numel"] for name, t in payload["tensors"].items()}
+        return cls(FitConfig(**payload["config"]), steps, tensors, grams, numel, payload.get("store", ""))
+
+
+def _summarise(name: str, rows: list[dict]) -> dict:
+    ev = [r["explained_variance"] for r in rows if r["rank"]]
+    r2 = [r["r2_direction1"] for r in rows if r["rank"] and np.isfinite(r["r2_direction1"])]
+    return {
+        "module_type": name,
+        "tensors": len(rows),
+        "median_explained_variance": median(ev) if ev else float("nan"),
+        "share_ev_ge_0.9": float(np.mean([e >= 0.9 for e in ev])) if ev else float("nan"),
+        "median_r2": median(r2) if r2 else float("nan"),
+        "zero_trajectories": sum(1 for r in rows if not r["rank"]),
+    }
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["tensor"])
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _refuse_existing(path: Path, overwrite: bool) -> None:
+    if path.exists() and not overwrite:
+        raise RelexError(f"{path}: exists; pass --overwrite to replace it")
+
+
+def fit_from_grams(config: FitConfig, steps: list[int], grams: dict[str, np.ndarray], numel: dict[str, int], store_path: str = "") -> FitResult:
+    window = validate(config, steps)
+    model = config.temporal_model()
+    step_array = np.asarray(steps, dtype=np.int64)
+    tensors = {name: fit_tensor(name, step_array, g, config.rank, model, window) for name, g in grams.items()}
+    return FitResult(config, step_array, tensors, grams, numel, store_path)
+
+
+def fit_store(store: TrajectoryStore, config: FitConfig) -> FitResult:
+    """One pass over the store's observed steps: the Gram of every trajectory tensor, then the fit."""
+    steps = observed_steps(store, config.observe_until)
+    validate(config, steps)
+    device = resolve_device(config.device)
+    reader = store.reader(steps)
+    infos = store.tensors
+    grams = {}
+    for name in tqdm(store.trajectory_names, desc="fit: Gram matrices", unit="tensor", leave=False):
+        grams[name] = tensor_gram(reader, name, device, config.chunk_elements)
+    LOG.info("fitted %d tensors over %d steps on %s", len(grams), len(steps), device)
+    numel = {name: infos[name].numel for name in grams}
+    return fit_from_grams(config, steps, grams, numel, str(store.path))
+
+

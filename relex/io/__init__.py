@@ -1,0 +1,1 @@
+"""Reading and writing Hugging Face safetensors checkpoints one tensor at a time."""

@@ -1,0 +1,130 @@
+"""Lazy, read-only access to the tensors of a Hugging Face checkpoint folder.
+
+A folder holds either `model.safetensors` or shards listed by `model.safetensors.index.json` (its `weight_map`).
+Tensors are read one at a time by name, optionally a range of rows, through `safetensors.safe_open`; nothing
+loads a whole state dict. Pickled `.bin` weights are refused: unpickling runs arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from relex.errors import RelexError
+from relex.io.dtypes import SAFETENSORS_TO_TORCH
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for size in self.shape:
+            n *= size
+        return n
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.is_floating_point
+
+
+def weight_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file for a checkpoint folder; refuses pickles and folders without weights."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise RelexError(f"{folder}: not a folder")
+    index = folder / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as error:
+            raise RelexError(f"{index}: not a safetensors index ({error})") from None
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / SINGLE_NAME
+    if single.is_file():
+        return {name: single for name in _header_names(single)}
+    if any((folder / name).exists() for name in PICKLE_NAMES):
+        raise RelexError(
+            f"{folder}: holds pickled pytorch_model.bin weights, which relex does not unpickle; "
+            "convert them to safetensors first (e.g. load and save_pretrained(safe_serialization=True))"
+        )
+    raise RelexError(f"{folder}: no {SINGLE_NAME} or {INDEX_NAME}; not a safetensors checkpoint")
+
+
+def _header_names(path: Path) -> list[str]:
+    with _open(path) as handle:
+        return list(handle.keys())
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError, ValueError) as error:
+        raise RelexError(f"{path}: unreadable safetensors file ({error})") from None
+
+
+class CheckpointReader:
+    """Reads named tensors (or row ranges of them) from one checkpoint folder, keeping file handles open."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.files = weight_files(self.folder)
+        self._handles: dict[Path, object] = {}
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "CheckpointReader":
+        """A reader over one safetensors file (the store's per-step delta files)."""
+        reader = cls.__new__(cls)
+        reader.folder = Path(path).parent
+        reader.files = {name: Path(path) for name in _header_names(Path(path))}
+        reader._handles = {}
+        return reader
+
+    def names(self) -> list[str]:
+        return sorted(self.files)
+
+    def _handle(self, name: str):
+        try:
+            path = self.files[name]
+        except KeyError:
+            raise RelexError(f"{self.folder}: tensor {name} is missing") from None
+        if path not in self._handles:
+            if not path.is_file():
+                raise RelexError(f"{path}: listed in the index for {name} but missing")
+            self._handles[path] = _open(path)
+        return self._handles[path]
+
+    def info(self, name: str) -> TensorInfo:
+        sliced = self._handle(name).get_slice(name)
+        tag = sliced.get_dtype()
+        if tag not in SAFETENSORS_TO_TORCH:
+            raise RelexError(f"{self.files[name]}: tensor {name} has unsupported dtype {tag}")
+        return TensorInfo(tuple(sliced.get_shape()), SAFETENSORS_TO_TORCH[tag])
+
+    def infos(self) -> dict[str, TensorInfo]:
+        return {name: self.info(name) for name in self.names()}
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor `name` in its stored dtype; with `rows=(a, b)`, only rows a..b-1 of its first dimension."""
+        handle = self._handle(name)
+        try:
+            if rows is None:
+                return handle.get_tensor(name)
+            return handle.get_slice(name)[rows[0] : rows[1]]
+        except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+            raise RelexError(f"{self.files[name]}: cannot read tensor {name} ({error})") from None
+
+    def close(self) -> None:
+        self._handles.clear()
+

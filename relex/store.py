@@ -1,0 +1,282 @@
+"""The trajectory store: a base checkpoint plus the deltas θ_s − θ₀ of one run at its real step numbers.
+
+A store is a folder:
+
+    STORE/manifest.json                      base reference, steps, tensor names/shapes/dtypes, ties, provenance
+    STORE/deltas/step-00000040.safetensors   one file per recorded step (when deltas are materialised)
+    STORE/base/                              the base checkpoint, when it was not a folder that outlives the run
+
+A step is either a materialised delta file or a reference to a checkpoint folder left in place (`relex ingest`
+without `--copy`); both read the same. Steps are appended one at a time: the data file is written under a
+temporary name and renamed, then the manifest is replaced atomically, so a step exists once the manifest lists it.
+Reading a tensor across steps is lazy and chunked by rows (`TrajectoryReader.chunks`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from relex import __version__
+from relex.errors import RelexError
+from relex.io.checkpoint import CheckpointReader, TensorInfo
+from relex.io.dtypes import dtype_name, from_name
+from relex.io.stream_writer import StreamingSafetensorsWriter
+
+LOG = logging.getLogger(__name__)
+
+MANIFEST_NAME = "manifest.json"
+STORE_FORMAT = "relex-trajectory/1"
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    step: int
+    kind: str  # "delta": a file of deltas in the store; "checkpoint": a checkpoint folder read in place
+    path: str  # relative to the store for deltas, absolute for checkpoints
+    dtype: str  # dtype of the stored values (the delta dtype, or the checkpoint's weights)
+    quantization_error: float | None = None  # ‖q(Δ) − Δ‖ / ‖Δ‖ when deltas were stored in a lower precision
+    source_dtype: str | None = None  # dtype of the weights the deltas came from
+
+
+def is_store(path: str | Path) -> bool:
+    return (Path(path) / MANIFEST_NAME).is_file()
+
+
+def _write_json_atomic(path: Path, payload: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(payload, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+class TrajectoryStore:
+    """Open with `TrajectoryStore.open(path)`; make with `TrajectoryStore.create(...)`."""
+
+    def __init__(self, path: Path, manifest: dict):
+        self.path = Path(path)
+        self.manifest = manifest
+
+    # ---- creation and opening -------------------------------------------------------------------------------
+    @classmethod
+    def create(
+        cls,
+        path: str | Path,
+        *,
+        base_dir: str | Path,
+        tensors: dict[str, TensorInfo],
+        tied: dict[str, str] | None = None,
+        created_by: dict | None = None,
+    ) -> "TrajectoryStore":
+        """A new empty store referencing `base_dir` (absolute, or relative to the store: `base`)."""
+        path = Path(path)
+        if path.exists() and any(path.iterdir()):
+            raise RelexError(f"{path}: exists and is not empty")
+        path.mkdir(parents=True, exist_ok=True)
+        base = Path(base_dir)
+        manifest = {
+            "format": STORE_FORMAT,
+            "base": {"path": str(base if not base.is_absolute() else base.resolve())},
+            "tensors": {name: {"shape": list(info.shape), "dtype": dtype_name(info.dtype)} for name, info in sorted(tensors.items())},
+            "tied": dict(sorted((tied or {}).items())),
+            "created_by": {"relex_version": __version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(created_by or {})},
+            "steps": [],
+        }
+        store = cls(path, manifest)
+        store._save()
+        return store
+
+    @classmethod
+    def open(cls, path: str | Path) -> "TrajectoryStore":
+        path = Path(path)
+        manifest_path = path / MANIFEST_NAME
+        if not manifest_path.is_file():
+            raise RelexError(f"{path}: not a relex trajectory store (no {MANIFEST_NAME})")
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except json.JSONDecodeError as error:
+            raise RelexError(f"{manifest_path}: corrupt manifest ({error})") from None
+        if manifest.get("format") != STORE_FORMAT:
+            raise RelexError(f"{manifest_path}: format {manifest.get('format')!r}, expected {STORE_FORMAT}")
+        return cls(path, manifest)
+
+    def _save(self) -> None:
+        _write_json_atomic(self.path / MANIFEST_NAME, self.manifest)
+
+    # ---- what the store holds ---------------------------------------------------------------------------------
+    @property
+    def base_dir(self) -> Path:
+        base = Path(self.manifest["base"]["path"])
+        return base if base.is_absolute() else self.path / base
+
+    @property
+    def tensors(self) -> dict[str, TensorInfo]:
+        return {n: TensorInfo(tuple(t["shape"]), from_name(t["dtype"])) for n, t in self.manifest["tensors"].items()}
+
+    @property
+    def tied(self) -> dict[str, str]:
+        """alias -> canonical name, for tensors that share storage (e.g. lm_head.weight -> embed_tokens.weight)."""
+        return dict(self.manifest["tied"])
+
+    @property
+    def trajectory_names(self) -> list[str]:
+        """Float tensors with a trajectory of their own: every float tensor except tied aliases."""
+        tied = self.tied
+        return [n for n, info in self.tensors.items() if info.is_float and n not in tied]
+
+    @property
+    def entries(self) -> list[StepEntry]:
+        return [StepEntry(**entry) for entry in self.manifest["steps"]]
+
+    @property
+    def steps(self) -> list[int]:
+        return [entry["step"] for entry in self.manifest["steps"]]
+
+    def entry(self, step: int) -> StepEntry:
+        for entry in self.entries:
+            if entry.step == step:
+                return entry
+        raise RelexError(f"{self.path}: step {step} is not in the store; recorded steps: {_span(self.steps)}")
+
+    def size_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
+
+    # ---- appending ----------------------------------------------------------------------------------------------
+    def _check_new_step(self, step: int) -> None:
+        if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
+            raise RelexError(f"{self.path}: step {step!r} must be a positive integer (the base is step 0)")
+        if step in self.steps:
+            raise RelexError(f"{self.path}: step {step} is already recorded; refusing to record it twice")
+        if self.steps and step < self.steps[-1]:
+            raise RelexError(f"{self.path}: step {step} comes before the last recorded step {self.steps[-1]}")
+
+    def append_deltas(
+        self,
+        step: int,
+        delta_of: Callable[[str], torch.Tensor],
+        dtype: torch.dtype | None = None,
+        source_dtype: torch.dtype | None = None,
+    ) -> StepEntry:
+        """Record step `step` from `delta_of(name)` (θ_step − θ₀ for each trajectory tensor), one tensor at a time.
+
+        `dtype` is the stored precision (default float32); when it is lower, the relative quantization error
+        ‖q(Δ) − Δ‖/‖Δ‖ is measured and kept in the manifest.
+        """
+        self._check_new_step(step)
+        dtype = dtype or torch.float32
+        infos = self.tensors
+        layout = [(n, TensorInfo(infos[n].shape, dtype)) for n in self.trajectory_names]
+        relative = Path("deltas") / f"step-{step:08d}.safetensors"
+        final = self.path / relative
+        final.parent.mkdir(exist_ok=True)
+        writer = StreamingSafetensorsWriter(final.with_name(f".{final.name}.tmp"), layout, {"format": "pt", "step": str(step)})
+        error_sq = norm_sq = 0.0
+        try:
+            for name, info in layout:
+                delta = delta_of(name).detach().to("cpu", torch.float32)
+                if tuple(delta.shape) != info.shape:
+                    raise RelexError(f"tensor {name}: shape {tuple(delta.shape)} at step {step}, {info.shape} at base")
+                if not torch.isfinite(delta).all():
+                    raise RelexError(f"tensor {name}: NaN or Inf in the delta at step {step}")
+                stored = delta.to(dtype)
+                if dtype != torch.float32:
+                    error_sq += float((stored.float() - delta).double().pow(2).sum())
+                    norm_sq += float(delta.double().pow(2).sum())
+                writer.write(name, stored)
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        os.replace(writer.path, final)
+        quantization = (error_sq / norm_sq) ** 0.5 if norm_sq > 0 else (0.0 if dtype != torch.float32 else None)
+        source = dtype_name(source_dtype) if source_dtype is not None else None
+        entry = StepEntry(step, "delta", str(relative), dtype_name(dtype), quantization, source)
+        self._add(entry)
+        return entry
+
+    def append_checkpoint(self, step: int, folder: str | Path, dtype: torch.dtype) -> StepEntry:
+        """Record step `step` as a reference to a checkpoint folder read in place (validated by the caller)."""
+        self._check_new_step(step)
+        entry = StepEntry(step, "checkpoint", str(Path(folder).resolve()), dtype_name(dtype), source_dtype=dtype_name(dtype))
+        self._add(entry)
+        return entry
+
+    def _add(self, entry: StepEntry) -> None:
+        self.manifest["steps"].append(asdict(entry))
+        self._save()
+        LOG.debug("%s: recorded step %d", self.path, entry.step)
+
+    def reader(self, steps: Sequence[int] | None = None) -> "TrajectoryReader":
+        return TrajectoryReader(self, list(self.steps if steps is None else steps))
+
+
+def _span(steps: Sequence[int]) -> str:
+    if not steps:
+        return "none"
+    if len(steps) <= 8:
+        return ", ".join(map(str, steps))
+    return f"{', '.join(map(str, steps[:4]))}, …, {', '.join(map(str, steps[-2:]))} ({len(steps)} steps)"
+
+
+class TrajectoryReader:
+    """Reads the trajectory matrix M (T × d, one row per step) of one tensor at a time, in row chunks."""
+
+    def __init__(self, store: TrajectoryStore, steps: list[int]):
+        self.store = store
+        self.steps = steps
+        self.entries = [store.entry(s) for s in steps]
+        self.infos = store.tensors
+        self.base = CheckpointReader(store.base_dir)
+        self._readers: dict[str, CheckpointReader] = {}
+
+    def _source(self, entry: StepEntry) -> CheckpointReader:
+        path = entry.path if entry.kind == "checkpoint" else str(self.store.path / entry.path)
+        if path not in self._readers:
+            if entry.kind == "checkpoint":
+                self._readers[path] = CheckpointReader(path)
+            else:
+                self._readers[path] = CheckpointReader.from_file(Path(path))
+        return self._readers[path]
+
+    def row_chunks(self, name: str, max_elements: int) -> list[tuple[int, int] | None]:
+        """Row ranges such that T × rows × row-size ≤ max_elements (at least one row); None for a scalar."""
+        shape = self.infos[name].shape
+        if not shape:
+            return [None]
+        row = max(1, self.infos[name].numel // shape[0]) if shape[0] else 1
+        per_chunk = max(1, max_elements // (max(1, len(self.steps)) * row))
+        return [(a, min(a + per_chunk, shape[0])) for a in range(0, shape[0], per_chunk)]
+
+    def base_rows(self, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
+        return self.base.read(name, rows)
+
+    def read(self, name: str, rows: tuple[int, int] | None = None, base: torch.Tensor | None = None) -> torch.Tensor:
+        """M restricted to `rows`: float32, shape (T, numel of those rows)."""
+        base_f32 = None
+        out = []
+        for entry in self.entries:
+            values = self._source(entry).read(name, rows)
+            if entry.kind == "checkpoint":
+                if base_f32 is None:
+                    base_f32 = (self.base_rows(name, rows) if base is None else base).float()
+                if values.shape != base_f32.shape:
+                    raise RelexError(
+                        f"tensor {name}: shape {tuple(values.shape)} at step {entry.step}, {tuple(base_f32.shape)} at base"
+                    )
+                values = values.float() - base_f32
+            out.append(values.reshape(-1).float())
+        matrix = torch.stack(out)
+        if not torch.isfinite(matrix).all():
+            bad = [e.step for e, row in zip(self.entries, matrix) if not torch.isfinite(row).all()]
+            raise RelexError(f"tensor {name}: NaN or Inf at step {bad[0]}")
+        return matrix
+
+    def chunks(self, name: str, max_elements: int) -> Iterator[tuple[tuple[int, int] | None, torch.Tensor]]:
+        for rows in self.row_chunks(name, max_elements):
+            yield rows, self.read(name, rows)

@@ -1,0 +1,166 @@
+"""Bad input ends with one line naming the file, tensor or step at fault, a non-zero exit, and no output left."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from tests.conftest import STEPS, cli
+
+
+def run_fails(capsys, *args, out=None):
+    code = cli(*args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0
+    assert err and err[-1].startswith("relex"), err
+    assert "Traceback" not in "\n".join(err)
+    if out is not None:
+        assert not out.exists(), f"{out} left behind"
+    return err[-1]
+
+
+def edit(folder, change):
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+@pytest.fixture
+def store(planted, tmp_path):
+    base, run, _ = planted
+    assert cli("ingest", run, "--base", base, "--out", tmp_path / "store") == 0
+    return tmp_path / "store"
+
+
+def test_shape_differs(planted, tmp_path, capsys):
+    base, run, _ = planted
+    name = "model.layers.1.mlp.up_proj.weight"
+    edit(run / "checkpoint-9", lambda t: t.__setitem__(name, t[name][:-1]))
+    message = run_fails(capsys, "ingest", run, "--base", base, "--out", tmp_path / "s", out=tmp_path / "s")
+    assert name in message and "checkpoint-9" in message and "(63, 32)" in message
+
+
+def test_tensor_missing(planted, tmp_path, capsys):
+    base, run, _ = planted
+    name = "model.layers.0.self_attn.k_proj.weight"
+    edit(run / "checkpoint-4", lambda t: t.pop(name))
+    message = run_fails(capsys, "ingest", run, "--base", base, "--out", tmp_path / "s", out=tmp_path / "s")
+    assert name in message and "checkpoint-4" in message and "missing" in message
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_nan_or_inf(planted, tmp_path, capsys, value):
+    base, run, _ = planted
+    name = "model.layers.1.self_attn.v_proj.weight"
+
+    def poison(t):
+        t[name][3, 4] = value
+
+    edit(run / "checkpoint-13", poison)
+    message = run_fails(capsys, "ingest", run, "--base", base, "--out", tmp_path / "s", out=tmp_path / "s")
+    assert name in message and "step 13" in message and "NaN or Inf" in message
+
+
+def test_nan_in_a_referenced_checkpoint_changed_after_ingest(planted, store, tmp_path, capsys):
+    _, run, _ = planted
+    name = "model.norm.weight"
+    edit(run / "checkpoint-6", lambda t: t[name].__setitem__(0, math.nan))
+    message = run_fails(capsys, "extrapolate", store, "--targets", "50", "--out", tmp_path / "o", out=tmp_path / "o")
+    assert name in message and "step 6" in message
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupt_safetensors(planted, tmp_path, capsys, damage):
+    base, run, _ = planted
+    path = run / "checkpoint-20" / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x00" * 64)
+    message = run_fails(capsys, "ingest", run, "--base", base, "--out", tmp_path / "s", out=tmp_path / "s")
+    assert "checkpoint-20" in message
+
+
+def test_pickled_bin_is_refused(planted, tmp_path, capsys):
+    base, run, _ = planted
+    folder = run / "checkpoint-2"
+    (folder / "model.safetensors").unlink()
+    (folder / "pytorch_model.bin").write_bytes(b"\x80\x04 not to be unpickled")
+    message = run_fails(capsys, "ingest", run, "--base", base, "--out", tmp_path / "s", out=tmp_path / "s")
+    assert "pytorch_model.bin" in message and "checkpoint-2" in message
+
+
+@pytest.mark.parametrize("steps,words", [("5,5,9", "twice"), ("9,5,12", "must increase"), ("5,x,9", "cannot read"), ("5,9", "3 checkpoint")])
+def test_steps_given_by_hand(planted, tmp_path, capsys, steps, words):
+    base, run, _ = planted
+    folders = [run / f"checkpoint-{s}" for s in (2, 4, 6)]
+    message = run_fails(capsys, "ingest", *folders, "--steps", steps, "--base", base, "--out", tmp_path / "s", out=tmp_path / "s")
+    assert words in message
+
+
+def test_no_step_numbers_for_plain_folders(planted, tmp_path, capsys):
+    base, run, _ = planted
+    plain = tmp_path / "plain"
+    (run / "checkpoint-2").rename(plain)
+    message = run_fails(capsys, "ingest", plain, "--base", base, "--out", tmp_path / "s", out=tmp_path / "s")
+    assert "--steps" in message
+
+
+def test_too_few_steps_and_too_much_rank(store, tmp_path, capsys):
+    message = run_fails(capsys, "fit", store, "--out", tmp_path / "f", "--observe-until", "2", out=tmp_path / "f")
+    assert "at least 2" in message
+    message = run_fails(capsys, "fit", store, "--out", tmp_path / "f", "--rank", "9", out=tmp_path / "f")
+    assert "rank 9" in message and "there are 7" in message
+    message = run_fails(capsys, "extrapolate", store, "--targets", "50", "--out", tmp_path / "o", "--observe-until", "2", out=tmp_path / "o")
+    assert "at least 2" in message
+
+
+@pytest.mark.parametrize(
+    "option,value,words",
+    [("--method", "magic", "reconstruct, relex, two-point"), ("--temporal", "cubic", "linear, poly, robust"), ("--targets", "50,abc", "cannot read targets"),
+     ("--targets", "-5", "positive"), ("--dtype", "fp8", "valid:"), ("--max-shard-size", "lots", "cannot read size")],
+)
+def test_unknown_names_and_unparsable_values(store, tmp_path, capsys, option, value, words):
+    args = {"--targets": "50", option: value}
+    flat = [x for kv in args.items() for x in kv]
+    message = run_fails(capsys, "extrapolate", store, *flat, "--out", tmp_path / "o", out=tmp_path / "o")
+    assert words in message
+
+
+def test_reconstruct_needs_an_observed_step(store, tmp_path, capsys):
+    message = run_fails(capsys, "extrapolate", store, "--targets", "7", "--method", "reconstruct", "--out", tmp_path / "o", out=tmp_path / "o")
+    assert "step 7 is not an observed step" in message
+
+
+def test_existing_output_is_refused_unless_overwrite(store, tmp_path, capsys):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    message = run_fails(capsys, "extrapolate", store, "--targets", "50", "--out", out)
+    assert "--overwrite" in message and (out / "keep.txt").exists()
+    assert cli("extrapolate", store, "--targets", "50", "--out", out, "--overwrite") == 0
+    assert (out / "step-50" / "model.safetensors").is_file()
+    message = run_fails(capsys, "fit", store, "--out", out)
+    assert "--overwrite" in message
+    message = run_fails(capsys, "ingest", tmp_path / "run", "--base", tmp_path / "base", "--out", store)
+    assert "--overwrite" in message
+
+
+def test_interpolation_is_allowed_but_said(store, tmp_path, caplog):
+    assert cli("extrapolate", store, "--targets", "10", "--out", tmp_path / "o") == 0
+    assert "interpolation" in caplog.text and "target 10" in caplog.text
+
+
+def test_store_step_that_does_not_exist(store, tmp_path):
+    from relex.errors import RelexError
+    from relex.extrapolate import materialize_step
+
+    with pytest.raises(RelexError, match="step 999 is not in the store"):
+        materialize_step(store, 999, tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+
+
+def test_not_a_store(tmp_path, capsys):
+    message = run_fails(capsys, "fit", tmp_path, "--out", tmp_path / "f", out=tmp_path / "f")
+    assert "not a relex trajectory store" in message
