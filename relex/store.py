@@ -257,10 +257,10 @@ class TrajectoryReader:
         return self.base.read(name, rows)
 
     def read(self, name: str, rows: tuple[int, int] | None = None, base: torch.Tensor | None = None) -> torch.Tensor:
-        """M restricted to `rows`: float32, shape (T, numel of those rows)."""
+        """M restricted to `rows`: float32, shape (T, numel of those rows), filled one step at a time."""
         base_f32 = None
-        out = []
-        for entry in self.entries:
+        matrix = None
+        for i, entry in enumerate(self.entries):
             values = self._source(entry).read(name, rows)
             if entry.kind == "checkpoint":
                 if base_f32 is None:
@@ -269,12 +269,12 @@ class TrajectoryReader:
                     raise RelexError(
                         f"tensor {name}: shape {tuple(values.shape)} at step {entry.step}, {tuple(base_f32.shape)} at base"
                     )
-                values = values.float() - base_f32
-            out.append(values.reshape(-1).float())
-        matrix = torch.stack(out)
-        if not torch.isfinite(matrix).all():
-            bad = [e.step for e, row in zip(self.entries, matrix) if not torch.isfinite(row).all()]
-            raise RelexError(f"tensor {name}: NaN or Inf at step {bad[0]}")
+                values = values.float().sub_(base_f32)
+            if matrix is None:
+                matrix = torch.empty(len(self.entries), values.numel(), dtype=torch.float32)
+            matrix[i] = values.reshape(-1)
+            if not torch.isfinite(matrix[i]).all():
+                raise RelexError(f"tensor {name}: NaN or Inf at step {entry.step}")
         return matrix
 
     def chunks(self, name: str, max_elements: int) -> Iterator[tuple[tuple[int, int] | None, torch.Tensor]]:

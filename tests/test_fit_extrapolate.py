@@ -71,7 +71,7 @@ def test_chunked_gram_equals_unchunked(store):
     for name in store.trajectory_names:
         whole = tensor_gram(reader, name, torch.device("cpu"), max_elements=10**9)
         chunked = tensor_gram(reader, name, torch.device("cpu"), max_elements=7 * len(store.steps))
-        np.testing.assert_allclose(chunked, whole, rtol=1e-12, atol=1e-18)
+        np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=0)  # float32 products, float64 sums
 
 
 @pytest.mark.parametrize("chunk", [10**9, 300])

@@ -1,8 +1,8 @@
 """Lazy, read-only access to the tensors of a Hugging Face checkpoint folder.
 
 A folder holds either `model.safetensors` or shards listed by `model.safetensors.index.json` (its `weight_map`).
-Tensors are read one at a time by name, optionally a range of rows, through `safetensors.safe_open`; nothing
-loads a whole state dict. Pickled `.bin` weights are refused: unpickling runs arbitrary code.
+Tensors are read one at a time by name, optionally a range of rows (relex.io.safetensors_file); nothing loads a
+whole state dict. Pickled `.bin` weights are refused: unpickling runs arbitrary code.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from relex.errors import RelexError
-from relex.io.dtypes import SAFETENSORS_TO_TORCH
+from relex.io.safetensors_file import SafetensorsFile
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -63,15 +62,10 @@ def weight_files(folder: Path) -> dict[str, Path]:
 
 
 def _header_names(path: Path) -> list[str]:
-    with _open(path) as handle:
-        return list(handle.keys())
-
-
-def _open(path: Path):
-    try:
-        return safe_open(str(path), framework="pt")
-    except (SafetensorError, OSError, ValueError) as error:
-        raise RelexError(f"{path}: unreadable safetensors file ({error})") from None
+    file = SafetensorsFile(path)
+    names = file.keys()
+    file.close()
+    return names
 
 
 class CheckpointReader:
@@ -80,7 +74,7 @@ class CheckpointReader:
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
         self.files = weight_files(self.folder)
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, SafetensorsFile] = {}
 
     @classmethod
     def from_file(cls, path: str | Path) -> "CheckpointReader":
@@ -94,7 +88,7 @@ class CheckpointReader:
     def names(self) -> list[str]:
         return sorted(self.files)
 
-    def _handle(self, name: str):
+    def _handle(self, name: str) -> SafetensorsFile:
         try:
             path = self.files[name]
         except KeyError:
@@ -102,29 +96,25 @@ class CheckpointReader:
         if path not in self._handles:
             if not path.is_file():
                 raise RelexError(f"{path}: listed in the index for {name} but missing")
-            self._handles[path] = _open(path)
-        return self._handles[path]
+            self._handles[path] = SafetensorsFile(path)
+        handle = self._handles[path]
+        if name not in handle.header:
+            raise RelexError(f"{path}: tensor {name} is listed in the index but not in the file")
+        return handle
 
     def info(self, name: str) -> TensorInfo:
-        sliced = self._handle(name).get_slice(name)
-        tag = sliced.get_dtype()
-        if tag not in SAFETENSORS_TO_TORCH:
-            raise RelexError(f"{self.files[name]}: tensor {name} has unsupported dtype {tag}")
-        return TensorInfo(tuple(sliced.get_shape()), SAFETENSORS_TO_TORCH[tag])
+        handle = self._handle(name)
+        return TensorInfo(handle.shape(name), handle.dtype(name))
 
     def infos(self) -> dict[str, TensorInfo]:
         return {name: self.info(name) for name in self.names()}
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor `name` in its stored dtype; with `rows=(a, b)`, only rows a..b-1 of its first dimension."""
-        handle = self._handle(name)
-        try:
-            if rows is None:
-                return handle.get_tensor(name)
-            return handle.get_slice(name)[rows[0] : rows[1]]
-        except (SafetensorError, OSError, ValueError, RuntimeError) as error:
-            raise RelexError(f"{self.files[name]}: cannot read tensor {name} ({error})") from None
+        return self._handle(name).read(name, rows)
 
     def close(self) -> None:
+        for handle in self._handles.values():
+            handle.close()
         self._handles.clear()
 
