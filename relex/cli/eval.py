@@ -1,0 +1,60 @@
+"""`relex eval CKPT [CKPT ...] --task NAME`: accuracy, pass@k and maj@k of checkpoints on held-out problems."""
+
+from __future__ import annotations
+
+def add_arguments(parser) -> None:
+    from relex.evaluate.generate import BACKENDS
+
+    parser.add_argument(
+        "checkpoints", nargs="*", metavar="CKPT",
+        help="model folders, hub ids, the alias smollm2-135m-instruct, or STORE@STEP (a step of a trajectory "
+        "store); differences are reported against the first",
+    )
+    parser.add_argument("--config", metavar="FILE", help="YAML file of eval settings (the flags below override it)")
+    parser.add_argument(
+        "--task", help="chain_sum or reasoning_gym:NAME (reasoning-gym), FILE.jsonl, or hf:DATASET_ID"
+    )
+    parser.add_argument("--task-file", metavar="FILE", help="YAML file with a `task:` mapping (e.g. a training config)")
+    parser.add_argument(
+        "--task-config", metavar="JSON|FILE",
+        help='the task\'s config, inline JSON (e.g. \'{"min_terms": 2, "max_terms": 2}\') or a JSON/YAML file',
+    )
+    parser.add_argument("--n", type=int, help="held-out problems to evaluate (default: the whole eval split)")
+    parser.add_argument("--samples", type=int, help="K sampled completions per problem for pass@k and maj@K")
+    parser.add_argument("--temperature", type=float, help="sampling temperature for --samples (required when K > 1)")
+    parser.add_argument("--seed", type=int, help="sampling and bootstrap seed (default 0)")
+    parser.add_argument("--out", metavar="DIR", help="output folder, new or empty (default runs/eval/TASK-TIME)")
+    parser.add_argument("--overwrite", action="store_true", default=None, help="replace a non-empty output folder")
+    parser.add_argument("--backend", choices=BACKENDS.names(), help="generation backend (default transformers)")
+    parser.add_argument("--batch-size", type=int, help="sequences generated together (default 32)")
+    parser.add_argument("--max-new-tokens", type=int, help="completion length limit (default 512)")
+
+
+def run(args) -> int:
+    from relex.evaluate import evaluate, format_table
+    from relex.evaluate.config import load_eval_config
+
+    config = load_eval_config(
+        args.config,
+        task_file=args.task_file,
+        task_config=args.task_config,
+        checkpoints=args.checkpoints,
+        task=args.task,
+        n=args.n,
+        samples=args.samples,
+        temperature=args.temperature,
+        seed=args.seed,
+        out=args.out,
+        overwrite=args.overwrite,
+        backend=args.backend,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+    )
+    config.validate()
+    result = evaluate(
+        config.checkpoints, config.task_spec(), **config.settings(),
+        out_dir=config.out_dir(), overwrite=config.overwrite,
+    )
+    print(format_table(result))
+    print(f"completions and summary written to {result.out_dir}")
+    return 0

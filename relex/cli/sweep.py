@@ -1,0 +1,48 @@
+"""`relex sweep STORE --targets S1,S2,... --task NAME --out DIR`: parse the options and call `relex.sweep.sweep`."""
+
+
+def add_arguments(parser):
+    from relex.cli.common import add_fit_options
+
+    parser.add_argument("store", help="a trajectory store")
+    parser.add_argument("--targets", required=True, help="target steps to compare, e.g. 100,200,400")
+    parser.add_argument("--task", default=None, help="chain_sum or reasoning_gym:NAME, FILE.jsonl, or hf:DATASET_ID")
+    parser.add_argument("--task-file", default=None, metavar="FILE", help="YAML file with a `task:` mapping (e.g. the run's config.yaml)")
+    parser.add_argument("--task-config", default=None, metavar="JSON|FILE", help="the task's config, inline JSON or a file")
+    parser.add_argument("--n", type=int, default=64, help="validation problems (default 64; disjoint from the test problems)")
+    parser.add_argument("--method", default="relex", help="extrapolation method (default relex)")
+    parser.add_argument("--out", required=True, help="folder receiving fit/, checkpoints/, validation/ and sweep.json")
+    parser.add_argument("--max-new-tokens", type=int, default=512, help="completion length limit (default 512)")
+    parser.add_argument("--batch-size", type=int, default=32, help="sequences generated together (default 32)")
+    parser.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
+    parser.add_argument("--overwrite", action="store_true")
+    add_fit_options(parser)
+
+
+def task_from(args):
+    from relex.errors import RelexError
+    from relex.evaluate.config import parse_task_config, task_spec_from_file, task_spec_from_name
+
+    if (args.task is None) == (args.task_file is None):
+        raise RelexError("give --task NAME or --task-file FILE (one of them)")
+    spec = task_spec_from_file(args.task_file) if args.task_file else task_spec_from_name(args.task)
+    if args.task_config is not None:
+        spec["config"] = parse_task_config(args.task_config)
+    return spec
+
+
+def run(args):
+    from relex.cli.common import console, fit_config_from, table
+    from relex.extrapolate import parse_targets
+    from relex.sweep import SweepConfig, sweep
+
+    config = SweepConfig(
+        targets=parse_targets(args.targets), task=task_from(args), n=args.n, method=args.method, fit=fit_config_from(args),
+        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed, overwrite=args.overwrite,
+    )
+    result = sweep(args.store, args.out, config)
+    rows = [[name, "", r["accuracy"], r["ci_low"], r["ci_high"]] for name, r in result.references.items()]
+    rows += [[f"step {t}", "◀ best" if t == result.best_target else "", r["accuracy"], r["ci_low"], r["ci_high"]] for t, r in result.accuracies.items()]
+    console.print(table(f"validation accuracy ({args.method}, {config.n} problems)", ["checkpoint", "", "accuracy", "95% low", "95% high"], rows))
+    console.print(result.verdict())
+    console.print(f"checkpoints in {result.out_dir / 'checkpoints'}, details in {result.out_dir / 'sweep.json'}")

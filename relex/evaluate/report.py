@@ -1,0 +1,103 @@
+"""The outputs of an evaluation: a table for the terminal, and `OUT/completions.jsonl` + `OUT/summary.json`.
+
+The output folder is written under a hidden temporary name next to it and renamed into place once complete,
+so an interrupted or failed evaluation never leaves a half-written folder behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from relex.errors import RelexError
+
+COMPLETIONS_NAME = "completions.jsonl"
+SUMMARY_NAME = "summary.json"
+
+
+def check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """Refuses, before any work, an output path that is a file or a folder with something in it."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RelexError(f"output {out_dir} exists and is not a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise RelexError(f"output folder {out_dir} exists and is not empty; choose another --out or pass --overwrite")
+
+
+def write_outputs(result, out_dir: Path, overwrite: bool) -> Path:
+    check_out_dir(out_dir, overwrite)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary folder
+    try:
+        with open(tmp / COMPLETIONS_NAME, "w") as handle:
+            for checkpoint in result.checkpoints:
+                for record in checkpoint.records:
+                    handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        (tmp / SUMMARY_NAME).write_text(json.dumps(result.summary(), indent=1, default=str) + "\n")
+        _replace_folder(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _replace_folder(new: Path, target: Path) -> None:
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    if target.exists():
+        os.replace(target, old)
+    os.replace(new, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _rate(value: float | None) -> str:
+    return "—" if value is None or math.isnan(value) else f"{value:.3f}"
+
+
+def _interval(value: float, low: float, high: float, signed: bool = False) -> str:
+    number = f"{value:+.3f}" if signed else f"{value:.3f}"
+    return f"{number} [{low:.3f}, {high:.3f}]"
+
+
+def table_rows(result) -> list[dict[str, str]]:
+    """One dict per checkpoint: column title -> cell text."""
+    rows = []
+    for r in result.checkpoints:
+        row = {
+            "checkpoint": r.checkpoint,
+            "n": str(r.n),
+            "greedy acc [95% CI]": _interval(r.accuracy, r.ci_low, r.ci_high),
+            "Δ vs first [95% CI]": "—" if r.diff_vs_first is None else _interval(**_diff_args(r.diff_vs_first)),
+        }
+        row |= {f"pass@{k}": _rate(v) for k, v in r.pass_at_k.items()}
+        if r.maj_at_k is not None:
+            row[f"maj@{result.settings.samples}"] = _rate(r.maj_at_k)
+        row |= {
+            "tokens": f"{r.mean_tokens:.1f}",
+            "truncated": f"{r.truncated:.0%}",
+            "compl/s": f"{r.completions_per_s:.2f}",
+            "verifier failures": str(sum(r.verifier_failures.values())),
+        }
+        rows.append(row)
+    return rows
+
+
+def _diff_args(diff: dict) -> dict:
+    return {"value": diff["diff"], "low": diff["ci_low"], "high": diff["ci_high"], "signed": True}
+
+
+def format_table(result) -> str:
+    """The per-checkpoint table as aligned text (first column left-aligned, the others right-aligned)."""
+    rows = table_rows(result)
+    titles = list(dict.fromkeys(title for row in rows for title in row))
+    widths = {t: max(len(t), *(len(row.get(t, "")) for row in rows)) for t in titles}
+
+    def line(cells: dict[str, str]) -> str:
+        first, *rest = titles
+        parts = [cells.get(first, "").ljust(widths[first])] + [cells.get(t, "").rjust(widths[t]) for t in rest]
+        return "  ".join(parts).rstrip()
+
+    header = f"{result.task['name']} ({result.task['verifier']} verifier), seed {result.settings.seed}"
+    return "\n".join([header, line({t: t for t in titles}), *(line(row) for row in rows)])

@@ -1,0 +1,378 @@
+"""Figures of a run, as PNG files a paper could use: trajectories, explained variance, accuracy and rewards.
+
+    from relex.plot import plot_trajectory, plot_variance, plot_accuracy, plot_rewards
+    plot_trajectory(TrajectoryStore.open("RUN/trajectory"), FitResult.load("RUN/fit"), "traj.png")
+    plot_variance(FitResult.load("RUN/fit"), "variance.png")
+    plot_accuracy(["RUN/eval/summary.json"], "accuracy.png")
+    plot_rewards("RUN", "rewards.png")
+
+`trajectory`: the coefficient c₁(s) = Δ_sᵀ v₁ of chosen tensors against the real step, the fitted temporal line
+extended past the observed steps, the fit window shaded, and recorded steps the fit did not see drawn as held-out
+points. Their projections need the Gram over *all* recorded steps, c = G[all, fit] u / σ (METHOD.md: vⱼ =
+Σᵢ u_{ij} Δᵢ / σⱼ), which is computed for the plotted tensors only.
+
+`accuracy`: one point per evaluated checkpoint with its 95% interval; the x position is its step: `STORE@S` is
+the real RLVR checkpoint at S, a folder written by `relex extrapolate` is placed at the `target_step` of its
+`relex.json` and grouped by its `method`, anything else is the base model at step 0.
+
+Every figure uses the Agg backend (no display needed) and is written at `DPI` dots per inch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from relex.errors import RelexError
+
+LOG = logging.getLogger(__name__)
+
+DPI = 150
+DEFAULT_MAX_TENSORS = 6
+REAL, BASE = "RLVR (real)", "base"
+# series style per method: (label, colour, marker)
+SERIES_STYLE = {
+    BASE: ("base", "black", "*"),
+    REAL: ("RLVR (real)", "tab:blue", "o"),
+    "relex": ("relex (rank-r, linear)", "tab:red", "D"),
+    "two-point": ("two-point", "tab:green", "s"),
+    "per-param": ("per-parameter LS", "tab:purple", "^"),
+    "reconstruct": ("rank-r reconstruction", "tab:orange", "v"),
+}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, out: str | Path) -> Path:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=DPI, bbox_inches="tight")
+    _pyplot().close(fig)
+    LOG.info("wrote %s", out)
+    return out
+
+
+# ---- trajectory ---------------------------------------------------------------------------------------------------
+def layer_index(name: str) -> int | None:
+    """The first numeric part of a tensor name (`model.layers.7.mlp...` -> 7), None when there is none."""
+    return next((int(part) for part in name.split(".") if part.isdigit()), None)
+
+
+def representative_tensors(names: list[str], module_types: list[str] | None = None, limit: int = DEFAULT_MAX_TENSORS) -> list[str]:
+    """One tensor per module type of the middle layer; with `module_types`, one per asked type (middle layer first)."""
+    from relex.fit import module_type
+
+    known = sorted({module_type(n) for n in names})
+    unknown = [t for t in module_types or [] if t not in known]
+    if unknown:
+        raise RelexError(f"module type(s) {', '.join(unknown)} not in the fit; valid: {', '.join(known)}")
+    layers = sorted({i for i in map(layer_index, names) if i is not None})
+    middle = layers[len(layers) // 2] if layers else None
+    chosen: dict[str, str] = {}
+    for name in sorted(names, key=lambda n: (layer_index(n) != middle, n)):
+        kind = module_type(name)
+        wanted = kind in module_types if module_types is not None else layer_index(name) == middle
+        if wanted and kind not in chosen:
+            chosen[kind] = name
+    return list(chosen.values())[:limit]
+
+
+def check_tensor_names(asked: list[str], fitted: list[str]) -> list[str]:
+    missing = [n for n in asked if n not in fitted]
+    if missing:
+        sample = ", ".join(sorted(fitted)[:6])
+        raise RelexError(f"tensor(s) {', '.join(missing)} not in the fit ({len(fitted)} tensors, e.g. {sample})")
+    return asked
+
+
+@dataclass
+class CoefficientSeries:
+    """The rank-1 coefficient of one tensor at every recorded step, and which steps the fit saw."""
+
+    name: str
+    steps: np.ndarray  # all recorded steps
+    coefficient: np.ndarray  # c₁(s) at each of them
+    observed: np.ndarray  # bool: the fit saw this step
+    in_window: np.ndarray  # bool: the temporal model saw this step
+    explained_variance: float
+    r2: float
+
+
+def fit_step_indices(store_steps: list[int], fit_steps: np.ndarray) -> np.ndarray:
+    position = {s: i for i, s in enumerate(store_steps)}
+    missing = [int(s) for s in fit_steps if int(s) not in position]
+    if missing:
+        raise RelexError(f"the fit observed step(s) {missing[:5]} that the store does not hold; was it made from this store?")
+    return np.array([position[int(s)] for s in fit_steps])
+
+
+def coefficient_series(store, fit, names: list[str]) -> list[CoefficientSeries]:
+    """c₁ at every recorded step: G[all, fit] u₁ / σ₁, from one Gram pass over all steps per tensor."""
+    from relex.fit.gram import resolve_device, tensor_gram
+
+    steps = store.steps
+    fit_index = fit_step_indices(steps, fit.steps)
+    reader = store.reader(steps)
+    device = resolve_device(fit.config.device)
+    out = []
+    for name in names:
+        tensor = fit.tensors[name]
+        if tensor.is_zero:
+            LOG.warning("tensor %s: its trajectory is all zero; nothing to plot", name)
+            continue
+        gram = tensor_gram(reader, name, device, fit.config.chunk_elements)
+        coefficient = gram[:, fit_index] @ tensor.u[:, 0] / tensor.sigma[0]
+        observed = np.isin(np.arange(len(steps)), fit_index)
+        in_window = np.isin(np.arange(len(steps)), fit_index[tensor.window])
+        r2 = tensor.r2[0] if tensor.r2 else float("nan")
+        out.append(CoefficientSeries(name, np.asarray(steps), coefficient, observed, in_window, tensor.explained_variance(fit.config.rank), r2))
+    return out
+
+
+def _short(name: str) -> str:
+    return name.removeprefix("model.").removesuffix(".weight")
+
+
+def _draw_coefficients(ax, series: CoefficientSeries, fit, extend_to: float) -> None:
+    tensor = fit.tensors[series.name]
+    window_steps = series.steps[series.in_window]
+    ax.axvspan(window_steps.min(), window_steps.max(), color="tab:blue", alpha=0.08, label="fit window")
+    grid = np.linspace(0, extend_to, 200)
+    ax.plot(grid, fit.model.predict(tensor.temporal[0], grid), color="tab:red", lw=1.5, label=f"fitted {fit.config.temporal} model")
+    seen, window = series.observed, series.in_window
+    ax.plot(series.steps[window], series.coefficient[window], "o", color="tab:blue", ms=4, label="observed (in window)")
+    if np.any(seen & ~window):
+        ax.plot(series.steps[seen & ~window], series.coefficient[seen & ~window], "o", color="tab:gray", ms=4, label="observed (outside window)")
+    if np.any(~seen):
+        ax.plot(series.steps[~seen], series.coefficient[~seen], "o", mfc="none", color="tab:orange", ms=5, label="held out (not fitted)")
+    ax.set_title(f"{_short(series.name)}\nEV(r={fit.config.rank}) {series.explained_variance:.3f}, R² {series.r2:.3f}", fontsize=9)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("c₁(s) = Δₛᵀ v₁")
+    ax.grid(alpha=0.3)
+
+
+def plot_trajectory(
+    store, fit, out: str | Path, *, tensors: list[str] | None = None, module_types: list[str] | None = None,
+    max_tensors: int = DEFAULT_MAX_TENSORS, extend_to: float | None = None,
+) -> Path:
+    """The rank-1 coefficient against the step for a few tensors, with the fitted line and held-out steps."""
+    fitted = [n for n, t in fit.tensors.items() if not t.is_zero]
+    if not fitted:
+        raise RelexError("every tensor of the fit has an all-zero trajectory; there is nothing to plot")
+    names = check_tensor_names(tensors, list(fit.tensors)) if tensors else representative_tensors(fitted, module_types, max_tensors)
+    series = coefficient_series(store, fit, names[:max_tensors])
+    if not series:
+        raise RelexError(f"tensor(s) {', '.join(names)}: all-zero trajectories; choose others with --tensors")
+    last = float(max(store.steps[-1], fit.steps[-1]))
+    extend_to = extend_to or last * 1.15
+    plt = _pyplot()
+    cols = min(3, len(series))
+    rows = -(-len(series) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    for ax, one in zip(axes.flat, series):
+        _draw_coefficients(ax, one, fit, extend_to)
+    for ax in list(axes.flat)[len(series):]:
+        ax.set_visible(False)
+    handles, labels = _merged_legend(axes.flat)
+    fig.legend(handles, labels, loc="lower center", ncol=min(5, len(labels)), bbox_to_anchor=(0.5, -0.02), frameon=False)
+    fig.suptitle(f"Rank-1 trajectory coefficient, fit on steps {fit.steps[0]}..{fit.steps[-1]} of {store.steps[0]}..{store.steps[-1]}")
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return _save(fig, out)
+
+
+def _merged_legend(axes) -> tuple[list, list[str]]:
+    merged: dict[str, object] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            merged.setdefault(label, handle)
+    return list(merged.values()), list(merged)
+
+
+# ---- explained variance -------------------------------------------------------------------------------------------
+def _grouped(rows: list[dict], key: str) -> dict[str, list[float]]:
+    groups: dict[str, list[float]] = {}
+    for row in rows:
+        if row["rank"] and np.isfinite(row[key]):
+            groups.setdefault(row["module_type"], []).append(row[key])
+    return dict(sorted(groups.items()))
+
+
+def _horizontal() -> dict:
+    import matplotlib
+
+    major, minor = (int(p) for p in matplotlib.__version__.split(".")[:2])
+    return {"orientation": "horizontal"} if (major, minor) >= (3, 10) else {"vert": False}
+
+
+def _box_strip(ax, groups: dict[str, list[float]], xlabel: str) -> None:
+    labels = list(groups)
+    ax.boxplot([groups[k] for k in labels], widths=0.6, showfliers=False, **_horizontal())
+    rng = np.random.default_rng(0)
+    for i, label in enumerate(labels, start=1):
+        values = np.asarray(groups[label])
+        ax.plot(values, i + rng.uniform(-0.15, 0.15, len(values)), ".", color="tab:blue", alpha=0.6, ms=4)
+    ax.set_yticks(range(1, len(labels) + 1), [_short(k) for k in labels], fontsize=8)
+    ax.set_xlabel(xlabel)
+    ax.grid(axis="x", alpha=0.3)
+    if not ax.yaxis_inverted():  # read top to bottom in name order (the axes share y: invert once)
+        ax.invert_yaxis()
+
+
+def plot_variance(fit, out: str | Path) -> Path:
+    """Box and strip plots of the rank-r explained variance and of the temporal R² per module type."""
+    rows = fit.rows()
+    explained, r2 = _grouped(rows, "explained_variance"), _grouped(rows, "r2_direction1")
+    if not explained:
+        raise RelexError("every tensor of the fit has an all-zero trajectory; there is no variance to plot")
+    plt = _pyplot()
+    height = 0.9 + 0.32 * len(explained)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, height), sharey=True)
+    _box_strip(left, explained, f"explained variance of rank {fit.config.rank}")
+    _box_strip(right, {k: r2.get(k, []) for k in explained}, f"R² of the {fit.config.temporal} model (direction 1)")
+    left.set_ylabel("module type")
+    fig.suptitle(f"Per-tensor fit over {len(fit.steps)} observed steps ({len(rows)} tensors)")
+    fig.tight_layout()
+    return _save(fig, out)
+
+
+# ---- accuracy -----------------------------------------------------------------------------------------------------
+@dataclass
+class AccuracyPoint:
+    checkpoint: str
+    series: str
+    step: int
+    accuracy: float
+    ci_low: float
+    ci_high: float
+    n: int
+    observed_until: int | None = None  # last step a relex fit saw, when known
+
+
+def checkpoint_position(label: str, search: list[Path]) -> tuple[str, int, int | None]:
+    """(series, step, last observed step) of an evaluated checkpoint, from `STORE@S` or its `relex.json`."""
+    folder, at, step = label.rpartition("@")
+    if at and step.isdigit():
+        return REAL, int(step), None
+    for root in search:
+        provenance = root / label / "relex.json"
+        if provenance.is_file():
+            info = json.loads(provenance.read_text())
+            series = REAL if info.get("method") == "observed" else info.get("method", "relex")
+            observed = info.get("window_steps") or info.get("observed_steps") or [None]
+            return series, int(info["target_step"]), observed[-1]
+    return BASE, 0, None
+
+
+def read_accuracy_points(summary_paths: list[str | Path]) -> list[AccuracyPoint]:
+    points = []
+    for path in map(Path, summary_paths):
+        if not path.is_file():
+            raise RelexError(f"{path}: no such evaluation summary (relex eval writes OUT/summary.json)")
+        summary = json.loads(path.read_text())
+        if "checkpoints" not in summary:
+            raise RelexError(f"{path}: not a relex eval summary (no `checkpoints` list)")
+        search = [Path.cwd(), *path.resolve().parents]  # labels are paths as given to relex eval
+        for entry in summary["checkpoints"]:
+            series, step, until = checkpoint_position(entry["checkpoint"], search)
+            points.append(AccuracyPoint(entry["checkpoint"], series, step, entry["accuracy"], entry["ci_low"], entry["ci_high"], entry["n"], until))
+    return points
+
+
+def _draw_series(ax, series: str, points: list[AccuracyPoint], dodge: float = 0.0) -> None:
+    label, colour, marker = SERIES_STYLE.get(series, (series, None, "o"))
+    points = sorted(points, key=lambda p: p.step)
+    x = np.array([p.step for p in points]) + dodge
+    y = np.array([p.accuracy for p in points])
+    err = np.array([[p.accuracy - p.ci_low for p in points], [p.ci_high - p.accuracy for p in points]])
+    line = "-" if series == REAL else "--" if series != BASE else "none"
+    ax.errorbar(x, y, yerr=np.maximum(err, 0), fmt=marker, linestyle=line, color=colour, capsize=3, ms=7 if series == BASE else 5, label=label)
+
+
+def plot_accuracy(summary_paths: list[str | Path], out: str | Path, title: str | None = None) -> Path:
+    """Accuracy against step per series (base, real RLVR, each extrapolation method), with 95% intervals."""
+    points = read_accuracy_points(summary_paths)
+    if not points:
+        raise RelexError(f"{', '.join(map(str, summary_paths))}: no evaluated checkpoint")
+    groups: dict[str, list[AccuracyPoint]] = {}
+    for p in points:
+        groups.setdefault(p.series, []).append(p)
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    order = sorted(groups, key=lambda s: (s != BASE, s != REAL, s))
+    shift = 0.008 * max(p.step for p in points)  # side by side, so intervals at the same step stay readable
+    for index, series in enumerate(order):
+        _draw_series(ax, series, groups[series], dodge=(index - (len(order) - 1) / 2) * shift)
+    until = max((p.observed_until for p in points if p.observed_until is not None), default=None)
+    if until is not None:
+        ax.axvline(until, color="gray", ls=":", lw=1)
+        ax.annotate("last step the fit saw", (until, ax.get_ylim()[1]), fontsize=7, color="gray", ha="left", va="top", rotation=90)
+    n = sorted({p.n for p in points})
+    ax.set_xlabel("optimizer step (target step for extrapolated checkpoints)")
+    ax.set_ylabel(f"accuracy (greedy pass@1, n={'/'.join(map(str, n))})")
+    ax.set_title(title or "Held-out accuracy with 95% bootstrap intervals")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, out)
+
+
+# ---- rewards ------------------------------------------------------------------------------------------------------
+def read_log(run_dir: str | Path) -> list[dict]:
+    """The per-step records of `RUN/log.jsonl` (or the file itself), in step order."""
+    path = Path(run_dir)
+    path = path / "log.jsonl" if path.is_dir() else path
+    if not path.is_file():
+        raise RelexError(f"{path}: no training log (relex train writes RUN/log.jsonl)")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise RelexError(f"{path}, line {number}: not JSON ({error})") from None
+    return sorted((r for r in records if "step" in r and "reward" in r), key=lambda r: r["step"])
+
+
+def moving_average(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing mean over the last `window` values (fewer at the start)."""
+    sums = np.cumsum(np.insert(values, 0, 0.0))
+    index = np.arange(1, len(values) + 1)
+    start = np.maximum(index - window, 0)
+    return (sums[index] - sums[start]) / (index - start)
+
+
+def plot_rewards(run_dir: str | Path, out: str | Path, window: int | None = None) -> Path:
+    """Mean training reward per step, ± its standard deviation over the group, and a moving average."""
+    records = read_log(run_dir)
+    if not records:
+        raise RelexError(f"{run_dir}: the training log has no record with `step` and `reward`")
+    steps = np.array([r["step"] for r in records], dtype=float)
+    reward = np.array([r["reward"] for r in records], dtype=float)
+    std = np.array([r.get("reward_std", np.nan) for r in records], dtype=float)
+    window = window or max(1, len(records) // 10)
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    if np.isfinite(std).any():
+        ax.fill_between(steps, reward - np.nan_to_num(std), reward + np.nan_to_num(std), color="tab:blue", alpha=0.15, label="± reward std")
+    ax.plot(steps, reward, ".-", color="tab:blue", lw=0.8, ms=3, label="mean reward")
+    if window > 1:
+        ax.plot(steps, moving_average(reward, window), color="tab:red", lw=2, label=f"moving average ({window} steps)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("reward (verifier score)")
+    ax.set_title(f"Training reward, {len(records)} steps")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, out)

@@ -1,0 +1,241 @@
+"""`relex report RUN`: one Markdown file that tells a run's story top to bottom, with its figures beside it.
+
+It uses whatever of this layout exists in the run folder (what `relex train` and `relex demo` write), and says
+for each missing part which command makes it:
+
+    RUN/config.yaml          the resolved training config                      (relex train)
+    RUN/log.jsonl            one JSON line per optimizer step                  (relex train)
+    RUN/summary.json         seconds per step, recording overhead, store size  (relex train)
+    RUN/trajectory/          the trajectory store                              (relex train, relex ingest)
+    RUN/fit/                 the rank-r fit                                    (relex fit RUN/trajectory --out RUN/fit)
+    RUN/backtest.json        the backtest                                      (relex backtest ... --out RUN/backtest.json)
+    RUN/eval/summary.json    the evaluation                                    (relex eval ... --out RUN/eval)
+
+The report goes to RUN/report.md unless told otherwise, and its figures to `figures/` beside the report
+(RUN/figures/ by default), linked by relative paths: rewards.png, variance.png, trajectory.png, accuracy.png.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from relex.errors import RelexError
+
+LOG = logging.getLogger(__name__)
+
+MAX_BACKTEST_COLUMNS = 8
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Where each part of a run lives (see the module docstring)."""
+
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "log.jsonl"
+
+    @property
+    def train_summary(self) -> Path:
+        return self.root / "summary.json"
+
+    @property
+    def store(self) -> Path:
+        return self.root / "trajectory"
+
+    @property
+    def fit(self) -> Path:
+        return self.root / "fit"
+
+    @property
+    def backtest(self) -> Path:
+        return self.root / "backtest.json"
+
+    @property
+    def eval_summary(self) -> Path:
+        return self.root / "eval" / "summary.json"
+
+
+# ---- Markdown -----------------------------------------------------------------------------------------------------
+def cell(value) -> str:
+    if value is None or isinstance(value, float) and math.isnan(value):
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
+    return str(value).replace("|", "\\|")
+
+
+def markdown_table(columns: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(["---"] + ["---:"] * (len(columns) - 1)) + "|"]
+    return lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows] + [""]
+
+
+def missing(what: str, path: Path, command: str) -> list[str]:
+    return [f"_No {what}: expected `{path}`; make it with `{command}`._", ""]
+
+
+class Figures:
+    """Draws figures into a folder and returns Markdown links relative to the report."""
+
+    def __init__(self, report: Path):
+        self.report_dir = report.parent
+        self.folder = self.report_dir / "figures"
+        self.written: list[Path] = []
+
+    def add(self, name: str, caption: str, draw) -> list[str]:
+        path = self.folder / name
+        try:
+            draw(path)
+        except RelexError as error:  # e.g. a run whose trajectory is all zero: say so where the figure would be
+            LOG.warning("figure %s not drawn: %s", name, error)
+            return [f"_Figure {name} not drawn: {error}._", ""]
+        if not path.is_file():
+            raise RuntimeError(f"figure {path} was not written")
+        self.written.append(path)
+        return [f"![{caption}]({os.path.relpath(path, self.report_dir)})", ""]
+
+
+# ---- sections -----------------------------------------------------------------------------------------------------
+def config_section(run: RunLayout) -> list[str]:
+    lines = ["## Configuration", ""]
+    if not run.config.is_file():
+        return lines + missing("training config", run.config, "relex train --config FILE --out RUN")
+    return lines + ["```yaml", run.config.read_text().rstrip(), "```", ""]
+
+
+def rewards_section(run: RunLayout, figures: Figures) -> list[str]:
+    from relex.plot import plot_rewards, read_log
+
+    lines = ["## Training rewards", ""]
+    if not run.log.is_file() or not read_log(run.log):
+        return lines + missing("training log", run.log, "relex train --config FILE --out RUN")
+    records = read_log(run.log)
+    lines += figures.add("rewards.png", "training reward per step", lambda p: plot_rewards(run.log, p))
+    first, last = records[0], records[-1]
+    lines.append(f"{len(records)} optimizer steps; mean reward {cell(first['reward'])} at step {first['step']}, "
+                 f"{cell(last['reward'])} at step {last['step']}.")
+    if run.train_summary.is_file():
+        summary = json.loads(run.train_summary.read_text())
+        per_step, overhead = summary.get("seconds_per_step"), summary.get("record_seconds_over_step_seconds")
+        lines.append(f"{cell(per_step)} s per step; recording the deltas took {cell(overhead)} of a step; "
+                     f"the store holds {len(summary.get('recorded_steps', []))} steps in {summary.get('store_bytes', 0) / 2**20:.1f} MiB.")
+    return lines + [""]
+
+
+def fit_section(run: RunLayout, figures: Figures) -> list[str]:
+    from relex.fit import FitResult
+    from relex.plot import plot_trajectory, plot_variance
+    from relex.store import TrajectoryStore, is_store
+
+    lines = ["## Trajectory fit", ""]
+    if not (run.fit / "fit.json").is_file():
+        return lines + missing("fit", run.fit, f"relex fit {run.store} --out {run.fit} --observe-until S")
+    fit = FitResult.load(run.fit)
+    config = fit.config
+    lines += [f"Rank {config.rank}, temporal model `{config.temporal}`, fitted on {len(fit.steps)} recorded steps "
+              f"({fit.steps[0]}..{fit.steps[-1]}). EV is the share of the trajectory's energy in the first "
+              f"{config.rank} direction(s); R² is how well the temporal model follows the first coefficient.", ""]
+    rows = [[r["module_type"], r["tensors"], r["median_explained_variance"], r["share_ev_ge_0.9"], r["median_r2"]]
+            for r in fit.summary_by_module_type()]
+    lines += markdown_table(["module type", "tensors", f"median EV (r={config.rank})", "share EV ≥ 0.9", "median R²"], rows)
+    lines += figures.add("variance.png", "explained variance and R² by module type", lambda p: plot_variance(fit, p))
+    if is_store(run.store):
+        store = TrajectoryStore.open(run.store)
+        lines += ["Rank-1 coefficient of a few tensors against the step; open circles are recorded steps the fit did not see.", ""]
+        lines += figures.add("trajectory.png", "trajectory coefficients", lambda p: plot_trajectory(store, fit, p))
+    return lines
+
+
+def _shown_steps(steps: list[int]) -> list[int]:
+    if len(steps) <= MAX_BACKTEST_COLUMNS:
+        return steps
+    stride = max(1, len(steps) // MAX_BACKTEST_COLUMNS)
+    return sorted(set(steps[::stride]) | {steps[-1]})
+
+
+def backtest_section(run: RunLayout) -> list[str]:
+    lines = ["## Backtest", ""]
+    if not run.backtest.is_file():
+        return lines + missing("backtest", run.backtest, f"relex backtest {run.store} --observe-until S --out {run.backtest}")
+    result = json.loads(run.backtest.read_text())
+    observed, later = result["observed_steps"], result["later_steps"]
+    errors = result["relative_error"]
+    shown = _shown_steps(later)
+    lines += [f"Fit on steps ≤ {observed[-1]} ({len(observed)} recorded), then predict each later recorded step; "
+              "the relative error ‖Δ̂ − Δ‖ / ‖Δ‖ over all tensors (lower is better).", ""]
+    lines += markdown_table(["method"] + [f"step {s}" for s in shown], [[m] + [errors[m][str(s)]["all"] for s in shown] for m in errors])
+    groups = sorted(k for k in next(iter(errors.values()))[str(later[-1])] if k != "all")
+    drift = result.get("drift_cosine_by_module_type", {})
+    rows = [[g] + [errors[m][str(later[-1])][g] for m in errors] + [drift.get(g)] for g in groups]
+    lines += [f"At step {later[-1]}, by module type (drift: |cos| between the rank-1 directions of the fitted and the later steps):", ""]
+    return lines + markdown_table(["module type"] + list(errors) + ["drift \\|cos\\|"], rows)
+
+
+def short_label(label: str, root: Path) -> str:
+    """A checkpoint label relative to the run folder when it lies inside it (`STORE@S` keeps its `@S`)."""
+    folder, at, step = label.rpartition("@")
+    path = Path(folder if at else label)
+    try:
+        short = path.resolve().relative_to(root.resolve())
+    except ValueError:
+        return label
+    return f"{short}{at}{step}" if at else str(short)
+
+
+def eval_section(run: RunLayout, figures: Figures) -> list[str]:
+    from relex.plot import plot_accuracy, read_accuracy_points
+
+    lines = ["## Evaluation", ""]
+    if not run.eval_summary.is_file():
+        return lines + missing("evaluation", run.eval_summary, f"relex eval CKPT... --task NAME --out {run.eval_summary.parent}")
+    summary = json.loads(run.eval_summary.read_text())
+    points = {p.checkpoint: p for p in read_accuracy_points([run.eval_summary])}
+    first = summary["checkpoints"][0]["checkpoint"]
+    settings = summary.get("settings", {})
+    lines += [f"Task `{summary['task']['name']}` (verifier `{summary['task']['verifier']}`), greedy decoding, "
+              f"at most {settings.get('max_new_tokens')} new tokens; intervals are 95% bootstrap intervals, and Δ is "
+              f"the paired difference with `{short_label(first, run.root)}` on the same problems.", ""]
+    rows = []
+    for entry in summary["checkpoints"]:
+        point = points[entry["checkpoint"]]
+        diff = entry.get("diff_vs_first")
+        rows.append([
+            short_label(entry["checkpoint"], run.root), point.series, point.step, entry["n"],
+            f"{entry['accuracy']:.3f} [{entry['ci_low']:.3f}, {entry['ci_high']:.3f}]",
+            "—" if not diff else f"{diff['diff']:+.3f} [{diff['ci_low']:+.3f}, {diff['ci_high']:+.3f}]",
+            f"{entry.get('mean_tokens', float('nan')):.1f}",
+        ])
+    lines += markdown_table(["checkpoint", "series", "step", "n", "accuracy [95% CI]", "Δ vs first [95% CI]", "tokens"], rows)
+    return lines + figures.add("accuracy.png", "accuracy against step", lambda p: plot_accuracy([run.eval_summary], p))
+
+
+# ---- the report ---------------------------------------------------------------------------------------------------
+def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write the Markdown report of `run_dir` (default RUN/report.md) and its figures; returns its path."""
+    run = RunLayout(Path(run_dir))
+    if not run.root.is_dir():
+        raise RelexError(f"{run.root}: no such run folder")
+    out = Path(out) if out is not None else run.root / "report.md"
+    figures = Figures(out)
+    parts = [f"# relex report: {run.root.resolve().name}", "", f"Run folder `{run.root}`. Sections without their inputs say which command makes them.", ""]
+    parts += config_section(run)
+    parts += rewards_section(run, figures)
+    parts += fit_section(run, figures)
+    parts += backtest_section(run)
+    parts += eval_section(run, figures)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp.write_text("\n".join(parts).rstrip() + "\n")
+    os.replace(tmp, out)
+    LOG.info("report written to %s with %d figure(s)", out, len(figures.written))
+    return out
