@@ -1,0 +1,27 @@
+"""`relex train --config FILE`: a GRPO run that records its trajectory; flags override the file."""
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="YAML train config (e.g. configs/tiny.yaml); with --resume, default RUN/config.yaml")
+    parser.add_argument("--out", metavar="RUN", help="run folder (config.yaml, log.jsonl, trajectory/); overrides `out`")
+    parser.add_argument("--max-steps", type=int, help="optimizer steps; overrides grpo.max_steps")
+    parser.add_argument("--record-every", type=int, metavar="K", help="record θ − θ₀ every K steps; overrides record.every")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (log.jsonl is still written)")
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from relex.errors import RelexError
+    from relex.train import load_config, run_training
+
+    config_file = args.config
+    if config_file is None:
+        if not (args.resume and args.out):
+            raise RelexError("give --config FILE (or --resume --out RUN to continue a run with its own config)")
+        config_file = Path(args.out) / "config.yaml"
+    config = load_config(config_file, out=args.out, max_steps=args.max_steps, record_every=args.record_every)
+    run_dir = run_training(config, resume=args.resume, show_progress=not args.no_progress)
+    print(f"run written to {run_dir} (trajectory store: {run_dir / 'trajectory'}, log: {run_dir / 'log.jsonl'})")
+    return 0
