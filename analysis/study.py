@@ -73,7 +73,8 @@ class Study:
         until = self.cutoff(fraction) if fraction < 1 else self.steps[-1]
         out = self.run / "fits" / f"until{until}-rank{rank}"
         if not (out / "fit.json").is_file():
-            self.timings[f"fit {out.name}"] = relex("fit", self.store, "--out", out, "--rank", rank, "--observe-until", until, "--overwrite")
+            reuse = ["--gram-from", self.fit(fraction, 1)] if rank > 1 else []  # other ranks: the same Gram
+            self.timings[f"fit {out.name}"] = relex("fit", self.store, "--out", out, "--rank", rank, "--observe-until", until, "--overwrite", *reuse)
         return out
 
     def backtest(self, fraction: float, rank: int) -> Path:
@@ -81,7 +82,8 @@ class Study:
         out = self.results / f"backtest-until{until}-rank{rank}.json"
         methods = "relex,two-point,per-param" if rank == 1 else "relex"
         if not out.is_file():
-            relex("backtest", self.store, "--observe-until", until, "--rank", rank, "--methods", methods, "--out", out)
+            relex("backtest", self.store, "--observe-until", until, "--rank", rank, "--methods", methods, "--out", out,
+                  "--gram-from", self.fit(1.0, 1))
         return out
 
     def extrapolate(self, name: str, fit: Path | None, targets: list[int], *options) -> dict[int, Path]:
@@ -107,7 +109,10 @@ class Study:
 def low_rank_table(study: Study) -> list[dict]:
     rows = []
     for fraction in (*FRACTIONS, 1.0):
+        until = study.cutoff(fraction) if fraction < 1 else study.steps[-1]
         for rank in (1, 2, 4):
+            if rank > len([s for s in study.steps if s <= until]):
+                continue  # a rank needs at least as many observed steps
             fit = study.fit(fraction, rank)
             for row in csv.DictReader(open(fit / "summary_by_module_type.csv")):
                 if row["module_type"] == "all" or rank == 1:
@@ -119,6 +124,8 @@ def backtest_table(study: Study) -> list[dict]:
     rows = []
     for fraction in FRACTIONS:
         for rank in (1, 2, 4):
+            if rank > len([s for s in study.steps if s <= study.cutoff(fraction)]):
+                continue
             result = json.loads(study.backtest(fraction, rank).read_text())
             last = str(result["later_steps"][-1])
             for method, by_step in result["relative_error"].items():

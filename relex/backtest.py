@@ -75,7 +75,10 @@ def _direction(gram: np.ndarray) -> tuple[np.ndarray, float]:
     return vectors[:, -1], float(np.sqrt(max(values[-1], 0.0)))
 
 
-def backtest_store(store: TrajectoryStore, observe_until: int, methods: list[str], config: FitConfig) -> BacktestResult:
+def backtest_store(
+    store: TrajectoryStore, observe_until: int, methods: list[str], config: FitConfig, grams: dict[str, np.ndarray] | None = None
+) -> BacktestResult:
+    """`grams`: Gram matrices over all of the store's steps (a FIT of the whole store), to skip the pass."""
     steps = store.steps
     prefix = [s for s in steps if s <= observe_until]
     later = [s for s in steps if s > observe_until]
@@ -93,7 +96,7 @@ def backtest_store(store: TrajectoryStore, observe_until: int, methods: list[str
     reader = store.reader(steps)
     result = BacktestResult(prefix, later, list(methods), {m: {s: {} for s in later} for m in methods})
     for name in tqdm(store.trajectory_names, desc="backtest: Gram matrices", unit="tensor", leave=False):
-        gram = tensor_gram(reader, name, device, config.chunk_elements)
+        gram = grams[name] if grams is not None else tensor_gram(reader, name, device, config.chunk_elements)
         g_pp, group = gram[:p, :p], module_type(name)
         fit = fit_tensor(name, plan.steps, g_pp, config.rank, plan.model, plan.window) if any(m.needs_fit for m in method_objs.values()) else None
         for method_name, method in method_objs.items():

@@ -55,7 +55,7 @@ class DemoPlan:
     grpo: dict = field(default_factory=dict)  # on top of the config file's `grpo`
 
 
-DEFAULT = DemoPlan(max_steps=40, record_every=2, eval_n=64, max_new_tokens=48)
+DEFAULT = DemoPlan(max_steps=30, record_every=2, eval_n=100, max_new_tokens=32, batch_size=64)
 QUICK = DemoPlan(
     max_steps=8, record_every=2, eval_n=16, max_new_tokens=32, batch_size=16,
     grpo={"num_generations": 4, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_completion_length": 32},

@@ -188,3 +188,20 @@ def test_zero_and_frozen_tensors_keep_base_values(tiny_base, tmp_path):
     assert torch.equal(out[frozen], theta0[frozen])
     summary = json.loads((tmp_path / "o" / "step-10" / "relex.json").read_text())
     assert summary["fit_summary"]["tensors"] == len(theta0)
+
+
+def test_refit_and_backtest_reuse_the_gram(store, tmp_path):
+    from relex.backtest import backtest_store
+    from relex.fit import refit
+
+    full = fit_store(store, FitConfig(rank=1))
+    full.save(tmp_path / "full")
+    again = refit(store, FitConfig(rank=2, temporal="poly"), tmp_path / "full")
+    direct = fit_store(store, FitConfig(rank=2, temporal="poly"))
+    for name in store.trajectory_names:
+        np.testing.assert_allclose(abs(again.tensors[name].u), abs(direct.tensors[name].u), rtol=1e-6, atol=1e-9)
+    a = backtest_store(store, 13, ["relex", "per-param"], FitConfig(), grams=full.grams)
+    b = backtest_store(store, 13, ["relex", "per-param"], FitConfig())
+    assert a.relative_error("relex", 30) == pytest.approx(b.relative_error("relex", 30), rel=1e-9)
+    assert cli("fit", store.path, "--out", tmp_path / "r4", "--rank", "4", "--gram-from", tmp_path / "full") == 0
+    assert cli("fit", store.path, "--out", tmp_path / "bad", "--observe-until", "13", "--gram-from", tmp_path / "full") != 0

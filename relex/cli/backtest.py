@@ -7,6 +7,7 @@ def add_arguments(parser):
     parser.add_argument("store", help="a trajectory store")
     parser.add_argument("--methods", default="relex,two-point,per-param", help="comma-separated methods to compare")
     parser.add_argument("--out", default=None, help="write the full result as JSON here")
+    parser.add_argument("--gram-from", default=None, metavar="FIT", help="reuse the Gram matrices of a fit over all recorded steps (no pass over the store)")
     add_fit_options(parser)
 
 
@@ -21,7 +22,15 @@ def run(args):
     store = TrajectoryStore.open(args.store)
     config = fit_config_from(args)
     until, config.observe_until = config.observe_until, None
-    result = backtest_store(store, until, [m.strip() for m in args.methods.split(",") if m.strip()], config)
+    grams = None
+    if args.gram_from:
+        from relex.fit import FitResult
+
+        previous = FitResult.load(args.gram_from)
+        if previous.steps.tolist() != store.steps:
+            raise RelexError(f"{args.gram_from}: its Gram covers steps {previous.steps.tolist()[:3]}…, not all {len(store.steps)} recorded steps")
+        grams = previous.grams
+    result = backtest_store(store, until, [m.strip() for m in args.methods.split(",") if m.strip()], config, grams)
     shown = result.later if len(result.later) <= 8 else result.later[:: max(1, len(result.later) // 8)] + [result.later[-1]]
     shown = sorted(set(shown))
     rows = [[m] + [result.relative_error(m, s) for s in shown] for m in result.methods]

@@ -38,8 +38,8 @@ def run(args):
     )
     fit = FitResult.load(args.fit) if args.fit else None
     reports = extrapolate_store(store, args.out, config, fit)
-    rows = [[str(r.path), r.target, r.horizon_ratio, "yes" if r.interpolation else "no", r.delta_norm, r.rounding_loss] for r in reports]
-    console.print(table(f"{args.method} checkpoints", ["folder", "step", "horizon ratio", "interpolation", "‖Δ̂‖", "dtype loss"], rows))
+    rows = [[r.path.name, r.target, r.horizon_ratio, "yes" if r.interpolation else "no", r.delta_norm, r.rounding_loss] for r in reports]
+    console.print(table(f"{args.method} checkpoints in {args.out}", ["folder", "step", "horizon ratio", "interpolation", "‖Δ̂‖", "dtype loss"], rows))
     for r in reports:
         if r.rounding_loss > 0.01:
             console.print(f"warning: step {r.target}: the output dtype rounds away {100 * r.rounding_loss:.1f}% of the predicted update (‖lost‖/‖Δ̂‖); consider --dtype float32")

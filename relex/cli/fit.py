@@ -7,20 +7,26 @@ def add_arguments(parser):
     parser.add_argument("store", help="a trajectory store (from relex ingest or relex train)")
     parser.add_argument("--out", required=True, help="the FIT folder to write")
     parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument(
+        "--gram-from", default=None, metavar="FIT",
+        help="refit from the Gram matrices of an earlier fit over the same steps (other rank, temporal model or window; no pass over the store)",
+    )
     add_fit_options(parser)
 
 
 def run(args):
-    from relex.cli.common import console, fit_config_from, table
-    from relex.fit import fit_store
+    from pathlib import Path
+
+    from relex.cli.common import console, fit_config_from
+    from relex.errors import RelexError
+    from relex.fit import fit_store, refit
     from relex.store import TrajectoryStore
 
     store = TrajectoryStore.open(args.store)
-    if __import__("pathlib").Path(args.out).exists() and not args.overwrite:
-        from relex.errors import RelexError
-
+    if Path(args.out).exists() and not args.overwrite:
         raise RelexError(f"{args.out}: exists; pass --overwrite to replace it")
-    result = fit_store(store, fit_config_from(args))
+    config = fit_config_from(args)
+    result = refit(store, config, args.gram_from) if args.gram_from else fit_store(store, config)
     result.save(args.out, overwrite=args.overwrite)
     print_fit_summary(result)
     console.print(f"fit written to {args.out} (diagnostics.csv per tensor)")

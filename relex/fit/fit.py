@@ -207,6 +207,15 @@ def fit_from_grams(config: FitConfig, steps: list[int], grams: dict[str, np.ndar
     return FitResult(config, step_array, tensors, grams, numel, store_path)
 
 
+def refit(store: TrajectoryStore, config: FitConfig, previous_dir: str | Path) -> FitResult:
+    """A new fit (other rank, temporal model or window) from the Gram matrices an earlier fit saved."""
+    previous = FitResult.load(previous_dir)
+    steps = observed_steps(store, config.observe_until)
+    if previous.steps.tolist() != steps:
+        raise RelexError(f"{previous_dir}: fitted on steps {previous.steps.tolist()}, not the observed steps {steps}")
+    return fit_from_grams(config, steps, previous.grams, previous.numel, str(store.path))
+
+
 def fit_store(store: TrajectoryStore, config: FitConfig) -> FitResult:
     """One pass over the store's observed steps: the Gram of every trajectory tensor, then the fit."""
     steps = observed_steps(store, config.observe_until)
