@@ -11,8 +11,9 @@ Stages (each skipped when its output exists, so an interrupted study resumes):
                   and 5× the run length; rank-r reconstructions of the last step          -> checkpoints/
   5. evaluate     relex eval of the real final checkpoint (first: every difference is against it), the base,
                   real intermediate steps and every prediction, on the same held-out problems   -> eval/
-  6. figures      relex plot trajectory/variance/accuracy/rewards                          -> analysis/figures/
-  7. tables       analysis/results/*.csv and results.json, printed as Markdown
+  6. horizon      relex sweep from the first 20% to targets 1.2×–3.8× past it, on a validation split  -> sweep/
+  7. figures      relex plot trajectory/variance/accuracy/rewards                          -> analysis/figures/
+  8. tables       analysis/results/*.csv and results.json, printed as Markdown
 
 Numbers come only from the files these commands write; nothing is typed in by hand.
 """
@@ -138,6 +139,28 @@ def backtest_table(study: Study) -> list[dict]:
     return rows
 
 
+def reconstruction_table(study: Study) -> list[dict]:
+    """Weight-space error of the rank-r projection of observed steps, ‖P_r Δ_m − Δ_m‖/‖Δ_m‖, from a FIT's Gram."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT))
+    from relex.fit import FitResult
+
+    rows = []
+    for rank in (1, 2, 4):
+        fit = FitResult.load(study.fit(1.0, rank))
+        for step in (study.cutoff(0.2), study.cutoff(0.4), study.steps[-1]):
+            m = study.steps.index(step)
+            err = truth = 0.0
+            for name, gram in fit.grams.items():
+                u = fit.tensors[name].u
+                residual = np.eye(len(gram))[m] - u @ u[m]
+                err += float(residual @ gram @ residual)
+                truth += float(gram[m, m])
+            rows.append({"rank": rank, "step": step, "relative_error": (err / truth) ** 0.5})
+    return rows
+
+
 def checkpoints_to_evaluate(study: Study, horizons: tuple[int, ...]) -> dict[str, str]:
     last = study.steps[-1]
     targets = [h * last for h in horizons]
@@ -211,12 +234,21 @@ def main() -> None:
     write_csv(results / "low_rank.csv", low_rank)
     backtests = backtest_table(study)
     write_csv(results / "backtest.csv", backtests)
+    write_csv(results / "reconstruction.csv", reconstruction_table(study))
     labels = checkpoints_to_evaluate(study, HORIZONS)
     summary = study.evaluate(labels)
     accuracy = accuracy_table(summary, labels)
     write_csv(results / "accuracy.csv", accuracy)
 
     until20 = study.cutoff(0.2)
+    sweep = study.run / "sweep"
+    if not (sweep / "sweep.json").is_file():
+        relex("sweep", study.store, "--observe-until", until20, "--targets", "14,16,18,20,24,30,40" if not args.short else "8,10",
+              "--task-file", CONFIG, "--n", 200 if not args.short else 32, "--max-new-tokens", 32, "--batch-size", 64,
+              "--out", sweep, "--overwrite")
+    (results / "sweep.json").write_text((sweep / "sweep.json").read_text())
+    relex("plot", "accuracy", sweep / "validation" / "summary.json", "--out", figures / "horizon.png",
+          "--title", f"Extrapolating from steps ≤ {until20}: validation accuracy against the target step")
     relex("plot", "trajectory", study.store, "--fit", study.fit(0.2, 1), "--out", figures / "trajectory.png", "--extend-to", 2 * study.steps[-1])
     relex("plot", "variance", study.fit(0.2, 1), "--out", figures / "variance.png")
     relex("plot", "accuracy", study.run / "eval" / "summary.json", "--out", figures / "accuracy.png")
