@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,6 +102,31 @@ class _Pass:
         self.reader = store.reader(steps)
         self.grams: dict[str, np.ndarray] = {}
         self.reports = [self._report(t) for t in config.targets]
+        # trajectories read whole (Gram and weighted sum from one read), in pass order; the next one is read in
+        # a background thread while the current one is computed and written
+        self.cached_order = [
+            n for n, info in self.layout
+            if n in store.trajectory_names and self._cacheable(info)
+        ]
+        self._reads: dict[str, Future] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1)
+
+    def _cacheable(self, info: TensorInfo) -> bool:
+        return self.method.needs_fit and self.fit is None and len(self.plan.steps) * info.numel <= self.config.cache_elements
+
+    def cached_matrix(self, name: str) -> torch.Tensor:
+        """M of a cacheable tensor, prefetching the next one."""
+        if name not in self._reads:
+            self._reads[name] = self._pool.submit(self.reader.read, name)
+        position = self.cached_order.index(name)
+        if position + 1 < len(self.cached_order):
+            following = self.cached_order[position + 1]
+            self._reads.setdefault(following, self._pool.submit(self.reader.read, following))
+        return self._reads.pop(name).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._reads.clear()
 
     def _report(self, target: int) -> TargetReport:
         inside = bool(target <= self.plan.window_steps[-1])
@@ -132,9 +158,7 @@ class _Pass:
 
     def trajectory_outputs(self, name: str, info: TensorInfo):
         """Yield (rows, [one output chunk per target]) for a tensor with a trajectory."""
-        cached = None
-        if self.method.needs_fit and self.fit is None and len(self.plan.steps) * info.numel <= self.config.cache_elements:
-            cached = self.reader.read(name)
+        cached = self.cached_matrix(name) if self._cacheable(self.store.tensors[name]) else None
         w = self.weights(name, cached)
         if not np.any(w):  # an all-zero trajectory keeps the base values
             yield None, [self.base.read(name).to(self.out_dtype or info.dtype)] * len(self.reports)
@@ -149,8 +173,9 @@ class _Pass:
     def _combine(self, base: torch.Tensor, delta: torch.Tensor, report: TargetReport) -> torch.Tensor:
         exact = base.float().reshape(-1) + delta
         out = exact.to(self.out_dtype or base.dtype)
-        report._lost_sq += float((out.double() - exact.double()).pow(2).sum())
-        report._pred_sq += float(delta.double().pow(2).sum())
+        if out.dtype != torch.float32:  # float32 output is the computation itself: nothing is rounded away
+            report._lost_sq += float((out.float() - exact).square().sum())
+        report._pred_sq += float(delta.square().sum())
         return out.reshape(base.shape)
 
     def tensor_outputs(self, name: str, info: TensorInfo):
@@ -202,6 +227,8 @@ def extrapolate_store(store: TrajectoryStore, out_dir: str | Path, config: Extra
         if created:
             shutil.rmtree(out_dir, ignore_errors=True)
         raise
+    finally:
+        state.close()
     if fit is None and state.grams:
         fit_used.save(out_dir / "fit", overwrite=True)
     LOG.info("wrote %d checkpoint(s) in %.1f s", len(writers), time.time() - started)
