@@ -98,7 +98,9 @@ class _Pass:
         self.device = resolve_device(fit_config.device)
         self.base = CheckpointReader(store.base_dir)
         self.out_dtype = parse_dtype(config.dtype) if config.dtype else None
-        self.layout = output_layout(self.base.infos(), store.tied, self.out_dtype)
+        # the manifest's views, computed once: the pass consults them for every tensor
+        self.infos, self.tied, self.trajectory = store.tensors, store.tied, set(store.trajectory_names)
+        self.layout = output_layout(self.base.infos(), self.tied, self.out_dtype)
         self.reader = store.reader(steps)
         self.grams: dict[str, np.ndarray] = {}
         self.reports = [self._report(t) for t in config.targets]
@@ -106,7 +108,7 @@ class _Pass:
         # a background thread while the current one is computed and written
         self.cached_order = [
             n for n, info in self.layout
-            if n in store.trajectory_names and self._cacheable(info)
+            if n in self.trajectory and self._cacheable(info)
         ]
         self._reads: dict[str, Future] = {}
         self._pool = ThreadPoolExecutor(max_workers=1)
@@ -158,7 +160,7 @@ class _Pass:
 
     def trajectory_outputs(self, name: str, info: TensorInfo):
         """Yield (rows, [one output chunk per target]) for a tensor with a trajectory."""
-        cached = self.cached_matrix(name) if self._cacheable(self.store.tensors[name]) else None
+        cached = self.cached_matrix(name) if self._cacheable(self.infos[name]) else None
         w = self.weights(name, cached)
         if not np.any(w):  # an all-zero trajectory keeps the base values
             yield None, [self.base.read(name).to(self.out_dtype or info.dtype)] * len(self.reports)
@@ -179,9 +181,8 @@ class _Pass:
         return out.reshape(base.shape)
 
     def tensor_outputs(self, name: str, info: TensorInfo):
-        trajectory = set(self.store.trajectory_names)
-        canonical = self.store.tied.get(name, name)
-        if canonical in trajectory:
+        canonical = self.tied.get(name, name)
+        if canonical in self.trajectory:
             yield from self.trajectory_outputs(canonical, info)
         else:  # non-float, or a tensor without a trajectory: the base values
             base = self.base.read(name)
@@ -202,12 +203,12 @@ def extrapolate_store(store: TrajectoryStore, out_dir: str | Path, config: Extra
     try:
         tied_outputs: dict[str, list[torch.Tensor]] = {}
         for name, info in tqdm(state.layout, desc=f"extrapolate ({config.method})", unit="tensor", leave=False):
-            alias_of = store.tied.get(name)
+            alias_of = state.tied.get(name)
             if alias_of is not None and alias_of in tied_outputs:
                 for writer, values in zip(writers, tied_outputs.pop(alias_of)):
                     writer.write(name, values)
                 continue
-            keep = name in store.tied.values()
+            keep = name in state.tied.values()
             parts: list[list[torch.Tensor]] = [[] for _ in writers]
             for _, outputs in state.tensor_outputs(name, info):
                 for writer, values, part in zip(writers, outputs, parts):
@@ -216,7 +217,7 @@ def extrapolate_store(store: TrajectoryStore, out_dir: str | Path, config: Extra
                         part.append(values)
             if keep:
                 tied_outputs[name] = [torch.cat([p.reshape(-1) for p in part]).reshape(info.shape) for part in parts]
-        fit_used = fit or (fit_from_grams(state.fit_config, state.plan.steps.tolist(), state.grams, {n: store.tensors[n].numel for n in state.grams}, str(store.path)) if state.grams else None)
+        fit_used = fit or (fit_from_grams(state.fit_config, state.plan.steps.tolist(), state.grams, {n: state.infos[n].numel for n in state.grams}, str(store.path)) if state.grams else None)
         for writer, report in zip(writers, state.reports):
             report.delta_norm = report._pred_sq**0.5
             report.rounding_loss = (report._lost_sq / report._pred_sq) ** 0.5 if report._pred_sq > 0 else 0.0
