@@ -123,15 +123,11 @@ def _accuracy(result) -> dict:
     return {"checkpoint": result.checkpoint, "accuracy": result.accuracy, "ci_low": result.ci_low, "ci_high": result.ci_high, "n": result.n}
 
 
-def _greedy_correct(result) -> list[float]:
-    return [float(r["correct"]) for r in result.records if r["mode"] == "greedy"]
-
-
 def compare(result, reference, seed: int) -> Comparison:
     """Paired bootstrap of `result` minus `reference` on the same validation problems."""
     from relex.evaluate.metrics import paired_bootstrap_diff
 
-    diff, low, high = paired_bootstrap_diff(_greedy_correct(result), _greedy_correct(reference), seed=seed)
+    diff, low, high = paired_bootstrap_diff(result.greedy_correct(), reference.greedy_correct(), seed=seed)
     return Comparison(reference.checkpoint, diff, low, high)
 
 
