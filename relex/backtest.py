@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from relex.errors import RelexError
 from relex.extrapolate.methods import Plan, get_method
 from relex.fit.fit import FitConfig, module_type, validate
-from relex.fit.gram import resolve_device, tensor_gram
+from relex.fit.gram import resolve_device, tensor_grams
 from relex.fit.trajectory_fit import fit_tensor
 from relex.store import TrajectoryStore
 
@@ -95,8 +95,9 @@ def backtest_store(
     device = resolve_device(config.device)
     reader = store.reader(steps)
     result = BacktestResult(prefix, later, list(methods), {m: {s: {} for s in later} for m in methods})
-    for name in tqdm(store.trajectory_names, desc="backtest: Gram matrices", unit="tensor", leave=False):
-        gram = grams[name] if grams is not None else tensor_gram(reader, name, device, config.chunk_elements)
+    names = store.trajectory_names
+    stream = ((name, grams[name]) for name in names) if grams is not None else tensor_grams(reader, names, device, config.chunk_elements)
+    for name, gram in tqdm(stream, desc="backtest: Gram matrices", unit="tensor", total=len(names), leave=False):
         g_pp, group = gram[:p, :p], module_type(name)
         fit = fit_tensor(name, plan.steps, g_pp, config.rank, plan.model, plan.window) if any(m.needs_fit for m in method_objs.values()) else None
         for method_name, method in method_objs.items():

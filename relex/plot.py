@@ -120,19 +120,21 @@ def fit_step_indices(store_steps: list[int], fit_steps: np.ndarray) -> np.ndarra
 
 def coefficient_series(store, fit, names: list[str]) -> list[CoefficientSeries]:
     """c₁ at every recorded step: G[all, fit] u₁ / σ₁, from one Gram pass over all steps per tensor."""
-    from relex.fit.gram import resolve_device, tensor_gram
+    from relex.fit.gram import resolve_device, tensor_grams
 
     steps = store.steps
     fit_index = fit_step_indices(steps, fit.steps)
     reader = store.reader(steps)
     device = resolve_device(fit.config.device)
     out = []
+    live = []
     for name in names:
-        tensor = fit.tensors[name]
-        if tensor.is_zero:
+        if fit.tensors[name].is_zero:
             LOG.warning("tensor %s: its trajectory is all zero; nothing to plot", name)
-            continue
-        gram = tensor_gram(reader, name, device, fit.config.chunk_elements)
+        else:
+            live.append(name)
+    for name, gram in tensor_grams(reader, live, device, fit.config.chunk_elements):
+        tensor = fit.tensors[name]
         coefficient = gram[:, fit_index] @ tensor.u[:, 0] / tensor.sigma[0]
         observed = np.isin(np.arange(len(steps)), fit_index)
         in_window = np.isin(np.arange(len(steps)), fit_index[tensor.window])

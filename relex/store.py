@@ -9,7 +9,7 @@ A store is a folder:
 A step is either a materialised delta file or a reference to a checkpoint folder left in place (`relex ingest`
 without `--copy`); both read the same. Steps are appended one at a time: the data file is written under a
 temporary name and renamed, then the manifest is replaced atomically, so a step exists once the manifest lists it.
-Reading a tensor across steps is lazy and chunked by rows (`TrajectoryReader.chunks`).
+Reading a tensor across steps is lazy and goes by row blocks (`TrajectoryReader.blocks`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -33,6 +35,11 @@ from relex.io.stream_writer import StreamingSafetensorsWriter
 LOG = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
+STREAM_BUFFERS = 4  # buffers a stream cycles through: one the caller holds, the others the reader thread fills
+STREAM_BYTES = 2**30  # ... as many as fit in this much memory, but at least 2
+# reader threads of a stream: one leaves the other cores to compute on small machines; on larger ones a second
+# keeps more reads in flight (fast NVMe and network file systems need a deeper queue)
+STREAM_READERS = 1 if (os.cpu_count() or 1) <= 4 else 2
 STORE_FORMAT = "relex-trajectory/1"
 
 
@@ -224,8 +231,21 @@ def _span(steps: Sequence[int]) -> str:
     return f"{', '.join(map(str, steps[:4]))}, …, {', '.join(map(str, steps[-2:]))} ({len(steps)} steps)"
 
 
+class Block(NamedTuple):
+    """One read of a stream: rows a..b-1 of tensor `name` at every step (None: all of it)."""
+
+    name: str
+    rows: tuple[int, int] | None = None
+    gram: bool = False  # also form this block's Gram contribution M Mᵀ in the reader thread
+
+
 class TrajectoryReader:
-    """Reads the trajectory matrix M (T × d, one row per step) of one tensor at a time, in row chunks."""
+    """Reads the trajectory matrix M (T × d, one row per step) of one tensor at a time, whole or in row blocks.
+
+    Values go from the files straight into their destination (`read_into`), without an intermediate copy.
+    `stream` reads a planned sequence of blocks in background threads into a few reused buffers, so reading
+    (which on a cold page cache is mostly kernel time) runs on its own core while the caller computes.
+    """
 
     def __init__(self, store: TrajectoryStore, steps: list[int]):
         self.store = store
@@ -234,6 +254,7 @@ class TrajectoryReader:
         self.infos = store.tensors
         self.base = CheckpointReader(store.base_dir)
         self._readers: dict[str, CheckpointReader] = {}
+        self._sources = [self._source(entry) for entry in self.entries]
 
     def _source(self, entry: StepEntry) -> CheckpointReader:
         path = entry.path if entry.kind == "checkpoint" else str(self.store.path / entry.path)
@@ -244,40 +265,139 @@ class TrajectoryReader:
                 self._readers[path] = CheckpointReader.from_file(Path(path))
         return self._readers[path]
 
-    def row_chunks(self, name: str, max_elements: int) -> list[tuple[int, int] | None]:
+    # ---- which rows ------------------------------------------------------------------------------------------------
+    def row_blocks(self, name: str, max_elements: int) -> list[tuple[int, int] | None]:
         """Row ranges such that T × rows × row-size ≤ max_elements (at least one row); None for a scalar."""
         shape = self.infos[name].shape
         if not shape:
             return [None]
         row = max(1, self.infos[name].numel // shape[0]) if shape[0] else 1
-        per_chunk = max(1, max_elements // (max(1, len(self.steps)) * row))
-        return [(a, min(a + per_chunk, shape[0])) for a in range(0, shape[0], per_chunk)]
+        per_block = max(1, max_elements // (max(1, len(self.steps)) * row))
+        return [(a, min(a + per_block, shape[0])) for a in range(0, shape[0], per_block)]
 
+    def block_numel(self, name: str, rows: tuple[int, int] | None) -> int:
+        """Values per step in rows a..b-1 of tensor `name` (all of it for None)."""
+        shape = self.infos[name].shape
+        if rows is None or not shape:
+            return self.infos[name].numel
+        return (min(shape[0], rows[1]) - rows[0]) * (self.infos[name].numel // shape[0] if shape[0] else 0)
+
+    # ---- reading ---------------------------------------------------------------------------------------------------
     def base_rows(self, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
         return self.base.read(name, rows)
 
-    def read(self, name: str, rows: tuple[int, int] | None = None, base: torch.Tensor | None = None) -> torch.Tensor:
-        """M restricted to `rows`: float32, shape (T, numel of those rows), filled one step at a time."""
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """M restricted to `rows`: a new float32 tensor of shape (T, numel of those rows)."""
+        out = torch.empty(len(self.entries), self.block_numel(name, rows), dtype=torch.float32)
+        self.read_into(name, out, rows)
+        return out
+
+    def read_into(self, name: str, out: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
+        """Fill `out` (float32, T × numel of `rows`, each row contiguous, e.g. a column slice of a larger matrix)."""
         base_f32 = None
-        matrix = None
-        for i, entry in enumerate(self.entries):
-            values = self._source(entry).read(name, rows)
+        expected = self.infos[name].shape
+        for i, (entry, source) in enumerate(zip(self.entries, self._sources)):
+            row = out[i]
+            info = source.info(name)
+            if entry.kind == "checkpoint" and info.shape != expected:  # checked at ingest; the folder may have changed
+                raise RelexError(f"tensor {name}: shape {info.shape} at step {entry.step}, {expected} at base")
+            if info.dtype == torch.float32:
+                source.read_into(name, row, rows)
+            else:
+                row.copy_(source.read(name, rows).reshape(-1))
             if entry.kind == "checkpoint":
                 if base_f32 is None:
-                    base_f32 = (self.base_rows(name, rows) if base is None else base).float()
-                if values.shape != base_f32.shape:
-                    raise RelexError(
-                        f"tensor {name}: shape {tuple(values.shape)} at step {entry.step}, {tuple(base_f32.shape)} at base"
-                    )
-                values = values.float().sub_(base_f32)
-            if matrix is None:
-                matrix = torch.empty(len(self.entries), values.numel(), dtype=torch.float32)
-            matrix[i] = values.reshape(-1)
-            # delta files were checked when they were appended; referenced checkpoints may have changed since
-            if entry.kind == "checkpoint" and not torch.isfinite(matrix[i]).all():
-                raise RelexError(f"tensor {name}: NaN or Inf at step {entry.step}")
-        return matrix
+                    base_f32 = self.base_rows(name, rows).reshape(-1).float()
+                row.sub_(base_f32)
+                if not torch.isfinite(row).all():
+                    raise RelexError(f"tensor {name}: NaN or Inf at step {entry.step}")
 
-    def chunks(self, name: str, max_elements: int) -> Iterator[tuple[tuple[int, int] | None, torch.Tensor]]:
-        for rows in self.row_chunks(name, max_elements):
-            yield rows, self.read(name, rows)
+    def stream(
+        self, blocks: Sequence[Block], device: torch.device | None = None, readers: int | None = None
+    ) -> Iterator[tuple[Block, torch.Tensor, torch.Tensor | None]]:
+        """(block, M restricted to its rows, its Gram M Mᵀ or None) for each planned block, in order.
+
+        Background threads (`readers`, default STREAM_READERS) read ahead, so reading runs on its own core while
+        the caller computes on the others. The Gram of a block that asks for it (`Block.gram`) is formed on
+        `device` by whichever side would otherwise wait: a reader when the caller is behind, the caller when it
+        is waiting for reads.
+        Each matrix is a view of a reused buffer and stays valid only until the next one is asked for. An error
+        while reading (a changed checkpoint, a short file) is raised here, at the block it concerns.
+        """
+        from relex.fit.gram import chunk_gram
+
+        device = device or torch.device("cpu")
+        blocks = [Block(*b) for b in blocks]
+        steps = len(self.entries)
+        size = max((steps * self.block_numel(b.name, b.rows) for b in blocks), default=0)
+        free: queue.Queue = queue.Queue()
+        for _ in range(max(2, min(STREAM_BUFFERS, STREAM_BYTES // max(1, 4 * size)))):
+            free.put(torch.empty(size, dtype=torch.float32))
+        # workers take the next block and a free buffer together, in block order, so the block the caller waits
+        # for always gets a buffer before later ones; finished blocks wait in `done` until the caller takes them
+        claim = threading.Lock()
+        done: dict[int, tuple] = {}
+        finished = threading.Condition()
+        position = iter(range(len(blocks)))
+        stop = threading.Event()
+
+        def work() -> None:
+            torch.set_num_threads(1)  # per thread: this one's products stay on its own core
+            while True:
+                with claim:
+                    k = next(position, None)
+                    buffer = free.get() if k is not None else None
+                if k is None or buffer is None or stop.is_set():
+                    return
+                block = blocks[k]
+                try:
+                    matrix = buffer[: steps * self.block_numel(block.name, block.rows)].view(steps, -1)
+                    self.read_into(block.name, matrix, block.rows)
+                    with finished:
+                        caller_busy = bool(done)  # blocks it has not taken yet: this thread has time to spare
+                    gram = chunk_gram(matrix, device) if block.gram and caller_busy else None
+                    item = (buffer, matrix, gram)
+                except BaseException as error:  # handed to the caller, raised where it reads
+                    item = (None, error, None)
+                with finished:
+                    done[k] = item
+                    finished.notify_all()
+                if item[0] is None:
+                    return
+
+        count = max(1, min(readers or STREAM_READERS, len(blocks)))
+        workers = [threading.Thread(target=work, name="relex-reader", daemon=True) for _ in range(count)]
+        torch_threads = torch.get_num_threads()
+        if torch_threads > 1:  # the readers take a core; compute gets the others
+            torch.set_num_threads(torch_threads - 1)
+        for worker in workers:
+            worker.start()
+        held = None
+        try:
+            for k, block in enumerate(blocks):
+                if held is not None:
+                    free.put(held)
+                    held = None
+                with finished:
+                    finished.wait_for(lambda: k in done)
+                    held, matrix, gram = done.pop(k)
+                if held is None:
+                    raise matrix
+                if block.gram and gram is None:
+                    gram = chunk_gram(matrix, device)
+                yield block, matrix, gram
+        finally:
+            stop.set()
+            for _ in workers:
+                free.put(None)  # wakes workers waiting for a buffer
+            for worker in workers:
+                worker.join()
+            torch.set_num_threads(torch_threads)
+
+    def blocks(self, name: str, max_elements: int) -> Iterator[tuple[tuple[int, int] | None, torch.Tensor]]:
+        """(rows, M restricted to rows) for consecutive row blocks of ≤ max_elements values, read ahead.
+
+        Every block is a view of a reused buffer, valid until the next block is asked for.
+        """
+        for block, matrix, _ in self.stream([Block(name, rows) for rows in self.row_blocks(name, max_elements)]):
+            yield block.rows, matrix

@@ -3,25 +3,29 @@
 Builds (once, in --workdir) a trajectory store with the tensor shapes of a real model (SmolLM2-135M by default;
 `--shape qwen2.5-1.5b` for a 1.5B-parameter one) and T recorded steps of float32 deltas, then measures, each
 phase in its own process so that peak RSS is that phase's own:
-  1. read: every stored value read once through the store's reader (the I/O floor of any method), before and
-     after phase 2, keeping the faster;
+  1. read: every stored value read once through the store's reader (the I/O floor of any method);
   2. fit + extrapolate: `relex extrapolate` without a saved fit (Gram pass + weighted sum) to two targets.
-Prints both times, their ratio, and each phase's peak RSS. Goal on SmolLM2 shapes, T = 20: ratio ≤ 2.0 and peak
-RSS of phase 2 under 3 GiB while the trajectory is ~11 GB.
+Both are measured twice over: with the store's pages dropped from the OS page cache first, so values come from
+storage (a trajectory of a real run is larger than RAM), and with the page cache warm (values in RAM, where the
+floor is a memory copy and the Gram's arithmetic shows). Each is repeated; medians, every run, their ratio and
+peak RSS are printed. Goal on SmolLM2 shapes, T = 20: ratio ≤ 2.0 and peak RSS under 3 GiB while the trajectory
+is ~11 GB.
 
-    .venv/bin/python scripts/bench_fit.py --workdir /tmp/relex-bench [--steps 20] [--device cpu|cuda]
+    .venv/bin/python scripts/bench_fit.py --workdir /tmp/relex-bench [--steps 20] [--device cpu|cuda] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 SHAPES = {  # LlamaConfig fields of real models
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -68,14 +72,15 @@ def build(workdir: Path, shape: str, steps: int) -> Path:
 
 
 def phase_read(store_dir: str) -> dict:
-    from relex.store import TrajectoryStore
+    from relex.fit.fit import DEFAULT_CHUNK_ELEMENTS
+    from relex.store import Block, TrajectoryStore
 
     store = TrajectoryStore.open(store_dir)
     reader = store.reader()
     started, values = time.perf_counter(), 0
-    for name in store.trajectory_names:
-        for _, chunk in reader.chunks(name, 2**25):
-            values += chunk.numel()
+    plan = [Block(name, rows) for name in store.trajectory_names for rows in reader.row_blocks(name, DEFAULT_CHUNK_ELEMENTS)]
+    for _, matrix, _ in reader.stream(plan):
+        values += matrix.numel()
     return {"seconds": time.perf_counter() - started, "values": values}
 
 
@@ -96,12 +101,25 @@ def run_phase(*args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def evict(*folders: Path) -> None:
+    """Drop the files' pages from the OS page cache, so that the next read comes from storage."""
+    for folder in folders:
+        for path in folder.rglob("*"):
+            if path.is_file():
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="/tmp/relex-bench")
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each phase; medians are reported")
     parser.add_argument("--phase", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.phase:
@@ -112,17 +130,36 @@ def main() -> None:
         return
     workdir = Path(args.workdir)
     store_dir = build(workdir, args.shape, args.steps)
+    base_dir, out_dir = workdir / "base", workdir / "out"
     size = sum(f.stat().st_size for f in (store_dir / "deltas").iterdir())
-    # read before and after, so that both phases see the same page cache; the faster read is the floor
-    reads = [run_phase("read", str(store_dir))]
-    fit = run_phase("extrapolate", str(store_dir), str(workdir / "out"), args.device)
-    reads.append(run_phase("read", str(store_dir)))
-    read = min(reads, key=lambda r: r["seconds"])
-    runs = ", ".join(f"{r['seconds']:.1f} s" for r in reads)
-    print(f"trajectory: {args.shape} shapes, T={args.steps} steps, {read['values'] / 1e9:.2f} G values, {size / 1e9:.2f} GB on disk")
-    print(f"read every stored value once:      {read['seconds']:8.2f} s   peak RSS {read['peak_rss_gib']:.2f} GiB  (runs: {runs})")
-    print(f"fit + extrapolate to two targets:  {fit['seconds']:8.2f} s   peak RSS {fit['peak_rss_gib']:.2f} GiB  (device {args.device})")
-    print(f"ratio (fit + extrapolate) / read:  {fit['seconds'] / read['seconds']:8.2f}")
+    can_evict = hasattr(os, "posix_fadvise")
+    caches = ["storage", "page cache"] if can_evict else ["page cache"]
+    runs: dict[tuple[str, str], list[dict]] = {(c, k): [] for c in caches for k in ("read", "extrapolate")}
+    for _ in range(args.repeats):
+        for cache in caches:
+            for kind in ("read", "extrapolate"):
+                shutil.rmtree(out_dir, ignore_errors=True)  # removing an earlier output is not part of the work
+                if cache == "storage":
+                    evict(store_dir, base_dir)
+                phase = ("read", str(store_dir)) if kind == "read" else ("extrapolate", str(store_dir), str(out_dir), args.device)
+                runs[cache, kind].append(run_phase(*phase))
+    print(f"trajectory: {args.shape} shapes, T={args.steps} steps, {runs[caches[0], 'read'][0]['values'] / 1e9:.2f} G values, "
+          f"{size / 1e9:.2f} GB on disk; device {args.device}; median of {args.repeats} runs each")
+    for cache in caches:
+        read, fit = (sorted(r["seconds"] for r in runs[cache, k]) for k in ("read", "extrapolate"))
+        read_median, fit_median = median(read), median(fit)
+        rss = {k: max(r["peak_rss_gib"] for r in runs[cache, k]) for k in ("read", "extrapolate")}
+        where = "from storage (page cache dropped first)" if cache == "storage" else "from the page cache (data in RAM)"
+        print(f"\nread {where}")
+        print(f"  read every stored value once:      {read_median:7.2f} s   peak RSS {rss['read']:.2f} GiB  (runs: {_runs(read)})")
+        print(f"  fit + extrapolate to two targets:  {fit_median:7.2f} s   peak RSS {rss['extrapolate']:.2f} GiB  (runs: {_runs(fit)})")
+        print(f"  ratio (fit + extrapolate) / read:  {fit_median / read_median:7.2f}")
+    if not can_evict:
+        print("\nthis OS has no posix_fadvise: the page cache could not be dropped, so only warm reads were measured")
+
+
+def _runs(seconds: list[float]) -> str:
+    return ", ".join(f"{s:.2f}" for s in seconds)
 
 
 if __name__ == "__main__":

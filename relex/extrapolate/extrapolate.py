@@ -1,10 +1,10 @@
 """`relex extrapolate`: write θ₀ + Σᵢ wᵢ Δᵢ for every target step in one streaming pass over the store.
 
 For each tensor, in order: its weights (targets × T) come from the method (and the rank-r fit, computed here
-from the Gram when no FIT is given), then row chunks of the trajectory are read once and
-out = θ₀ + W · M is streamed into one Hugging Face folder per target (`OUT/step-<S>/`). Memory holds one chunk
-of T × rows values and its outputs; a tensor whose whole trajectory fits in `cache_elements` is read once for
-both the Gram and the weighted sum.
+from the Gram when no FIT is given), then out = θ₀ + W · M is formed block by block and streamed into one Hugging
+Face folder per target (`OUT/step-<S>/`). A trajectory that fits in `cache_elements` is read once, whole, for both
+the Gram and the weighted sum; a larger one is read twice, one block of T × rows values at a time. Every read of
+the pass is planned up front and runs ahead in the reader's background thread (`TrajectoryReader.stream`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -24,12 +24,12 @@ from relex import __version__
 from relex.errors import RelexError
 from relex.extrapolate.methods import Method, Plan, get_method
 from relex.fit.fit import FitConfig, FitResult, fit_from_grams, observed_steps, validate, window_indices
-from relex.fit.gram import chunk_gram, resolve_device
+from relex.fit.gram import resolve_device
 from relex.fit.trajectory_fit import TensorFit, fit_tensor
 from relex.io.checkpoint import CheckpointReader, TensorInfo
 from relex.io.dtypes import dtype_name, parse_dtype
 from relex.io.hf_folder import HFFolderWriter, parse_size
-from relex.store import TrajectoryStore
+from relex.store import Block, TrajectoryStore
 
 LOG = logging.getLogger(__name__)
 
@@ -102,33 +102,31 @@ class _Pass:
         self.infos, self.tied, self.trajectory = store.tensors, store.tied, set(store.trajectory_names)
         self.layout = output_layout(self.base.infos(), self.tied, self.out_dtype)
         self.reader = store.reader(steps)
+        self.block = fit_config.chunk_elements
         self.grams: dict[str, np.ndarray] = {}
         self.reports = [self._report(t) for t in config.targets]
-        # trajectories read whole (Gram and weighted sum from one read), in pass order; the next one is read in
-        # a background thread while the current one is computed and written
-        self.cached_order = [
-            n for n, info in self.layout
-            if n in self.trajectory and self._cacheable(info)
-        ]
-        self._reads: dict[str, Future] = {}
-        self._pool = ThreadPoolExecutor(max_workers=1)
+        # a trajectory that fits in `cache_elements` is read whole, once, for both the Gram and the weighted sum;
+        # a larger one block by block, twice when its Gram is needed. All reads of the pass are planned here and
+        # run ahead in the reader's background thread.
+        plan = []
+        for name in (n for n, _ in self.layout if n in self.trajectory):
+            if self._cacheable(name):
+                plan.append(Block(name, None, gram=True))
+            else:
+                rows = self.reader.row_blocks(name, self.block)
+                if self._needs_gram():
+                    plan += [Block(name, r, gram=True) for r in rows]
+                plan += [Block(name, r) for r in rows]
+        self._stream = self.reader.stream(plan, self.device)
 
-    def _cacheable(self, info: TensorInfo) -> bool:
-        return self.method.needs_fit and self.fit is None and len(self.plan.steps) * info.numel <= self.config.cache_elements
+    def _needs_gram(self) -> bool:
+        return self.method.needs_fit and self.fit is None
 
-    def cached_matrix(self, name: str) -> torch.Tensor:
-        """M of a cacheable tensor, prefetching the next one."""
-        if name not in self._reads:
-            self._reads[name] = self._pool.submit(self.reader.read, name)
-        position = self.cached_order.index(name)
-        if position + 1 < len(self.cached_order):
-            following = self.cached_order[position + 1]
-            self._reads.setdefault(following, self._pool.submit(self.reader.read, following))
-        return self._reads.pop(name).result()
+    def _cacheable(self, name: str) -> bool:
+        return self._needs_gram() and len(self.plan.steps) * self.infos[name].numel <= self.config.cache_elements
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._reads.clear()
+        self._stream.close()
 
     def _report(self, target: int) -> TargetReport:
         inside = bool(target <= self.plan.window_steps[-1])
@@ -141,43 +139,52 @@ class _Pass:
         return TargetReport(target, self.out_dir / f"step-{target}", ratio, inside)
 
     # ---- per tensor ----------------------------------------------------------------------------------------------
-    def tensor_fit(self, name: str, matrix: torch.Tensor | None) -> TensorFit:
-        if self.fit is not None:
-            return self.fit.tensors[name]
-        if matrix is not None:
-            gram = chunk_gram(matrix, self.device).cpu().numpy()
-        else:
-            gram = torch.zeros(len(self.plan.steps), len(self.plan.steps), dtype=torch.float64, device=self.device)
-            for _, chunk in self.reader.chunks(name, self.fit_config.chunk_elements):
-                gram += chunk_gram(chunk, self.device)
-            gram = gram.cpu().numpy()
-        self.grams[name] = gram
-        return fit_tensor(name, self.plan.steps, gram, self.fit_config.rank, self.plan.model, self.plan.window)
+    def _next_blocks(self, name: str) -> Iterator[tuple[tuple[int, int] | None, torch.Tensor, torch.Tensor | None]]:
+        """The next blocks of the stream, one pass over tensor `name`: (rows, matrix, its Gram or None)."""
+        for _ in range(1 if self._cacheable(name) else len(self.reader.row_blocks(name, self.block))):
+            block, matrix, gram = next(self._stream)
+            assert block.name == name, f"read plan out of step: {block.name} read for {name}"
+            yield block.rows, matrix, gram
 
-    def weights(self, name: str, matrix: torch.Tensor | None) -> np.ndarray:
-        fit = self.tensor_fit(name, matrix) if self.method.needs_fit else None
-        return self.method.weights(self.plan, np.asarray(self.config.targets), fit)
+    def _fit_from_gram(self, name: str, blocks) -> TensorFit:
+        """The fit of `name` from its Gram, the sum of the blocks' parts."""
+        gram = torch.zeros(len(self.plan.steps), len(self.plan.steps), dtype=torch.float64, device=self.device)
+        for _, _, part in blocks:
+            gram += part
+        self.grams[name] = gram.cpu().numpy()
+        return fit_tensor(name, self.plan.steps, self.grams[name], self.fit_config.rank, self.plan.model, self.plan.window)
 
     def trajectory_outputs(self, name: str, info: TensorInfo):
-        """Yield (rows, [one output chunk per target]) for a tensor with a trajectory."""
-        cached = self.cached_matrix(name) if self._cacheable(self.infos[name]) else None
-        w = self.weights(name, cached)
+        """Yield (rows, [one output block per target]) for a tensor with a trajectory."""
+        blocks, fit = self._next_blocks(name), None
+        if self._needs_gram() and self._cacheable(name):  # read once: one matrix serves the Gram and the sum
+            blocks = list(blocks)
+            fit = self._fit_from_gram(name, blocks)
+        elif self._needs_gram():  # read twice: once for the Gram, once for the sum
+            fit = self._fit_from_gram(name, blocks)
+            blocks = self._next_blocks(name)
+        elif self.method.needs_fit:
+            fit = self.fit.tensors[name]
+        w = self.method.weights(self.plan, np.asarray(self.config.targets), fit)
         if not np.any(w):  # an all-zero trajectory keeps the base values
+            for _ in blocks:  # the planned reads are consumed all the same
+                pass
             yield None, [self.base.read(name).to(self.out_dtype or info.dtype)] * len(self.reports)
             return
         w_t = torch.as_tensor(w, dtype=torch.float32, device=self.device)
-        chunks = [(None, cached)] if cached is not None else self.reader.chunks(name, self.fit_config.chunk_elements)
-        for rows, matrix in chunks:
+        for rows, matrix, _ in blocks:
             base = self.base.read(name, rows)
             predicted = (w_t @ matrix.to(self.device)).cpu()
             yield rows, [self._combine(base, delta, report) for delta, report in zip(predicted, self.reports)]
 
     def _combine(self, base: torch.Tensor, delta: torch.Tensor, report: TargetReport) -> torch.Tensor:
-        exact = base.float().reshape(-1) + delta
+        """θ₀ + Δ̂ in the output dtype (`delta` is overwritten), adding to the report's norms."""
+        report._pred_sq += float(torch.dot(delta, delta))
+        exact = delta.add_(base.reshape(-1))
         out = exact.to(self.out_dtype or base.dtype)
         if out.dtype != torch.float32:  # float32 output is the computation itself: nothing is rounded away
-            report._lost_sq += float((out.float() - exact).square().sum())
-        report._pred_sq += float(delta.square().sum())
+            lost = out.float().sub_(exact)
+            report._lost_sq += float(torch.dot(lost, lost))
         return out.reshape(base.shape)
 
     def tensor_outputs(self, name: str, info: TensorInfo):

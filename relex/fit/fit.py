@@ -26,14 +26,14 @@ from tqdm.auto import tqdm
 
 from relex import __version__
 from relex.errors import RelexError
-from relex.fit.gram import resolve_device, tensor_gram
+from relex.fit.gram import resolve_device, tensor_grams
 from relex.fit.temporal import TEMPORAL_MODELS, TemporalModel, make_temporal
 from relex.fit.trajectory_fit import TensorFit, fit_tensor
 from relex.store import TrajectoryStore
 
 LOG = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_ELEMENTS = 2**25  # values per (T × rows) chunk: 256 MiB in float64
+DEFAULT_CHUNK_ELEMENTS = 2**22  # values per (T × rows) block read at once: 16 MiB of float32, about the CPU's L3
 
 
 @dataclass
@@ -223,9 +223,9 @@ def fit_store(store: TrajectoryStore, config: FitConfig) -> FitResult:
     device = resolve_device(config.device)
     reader = store.reader(steps)
     infos = store.tensors
-    grams = {}
-    for name in tqdm(store.trajectory_names, desc="fit: Gram matrices", unit="tensor", leave=False):
-        grams[name] = tensor_gram(reader, name, device, config.chunk_elements)
+    names = store.trajectory_names
+    stream = tensor_grams(reader, names, device, config.chunk_elements)
+    grams = dict(tqdm(stream, desc="fit: Gram matrices", unit="tensor", total=len(names), leave=False))
     LOG.info("fitted %d tensors over %d steps on %s", len(grams), len(steps), device)
     numel = {name: infos[name].numel for name in grams}
     return fit_from_grams(config, steps, grams, numel, str(store.path))

@@ -113,6 +113,10 @@ class CheckpointReader:
         """The tensor `name` in its stored dtype; with `rows=(a, b)`, only rows a..b-1 of its first dimension."""
         return self._handle(name).read(name, rows)
 
+    def read_into(self, name: str, out: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
+        """Fill `out` (contiguous, the stored dtype) with tensor `name` or its rows, without an intermediate copy."""
+        self._handle(name).read_into(name, out, rows)
+
     def close(self) -> None:
         for handle in self._handles.values():
             handle.close()

@@ -2,8 +2,9 @@
 
 A memory-mapped file keeps every page it has touched in the process's resident set until it is unmapped, so
 streaming a whole trajectory through `safe_open` makes RSS grow to the size of the data. Reading with `os.pread`
-into a fresh buffer keeps memory at one chunk. The header is validated against the file size on open, so a
-truncated or corrupt file fails at once, naming itself.
+straight into a buffer the caller reuses (`read_into`) keeps memory at one block and costs one copy (page cache
+to buffer) per value. The header is validated against the file size on open, so a truncated or corrupt file
+fails at once, naming itself.
 """
 
 from __future__ import annotations
@@ -63,25 +64,37 @@ class SafetensorsFile:
     def dtype(self, name: str) -> torch.dtype:
         return SAFETENSORS_TO_TORCH[self.header[name]["dtype"]]
 
-    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """The tensor, or rows a..b-1 of its first dimension, in its stored dtype (a new, writable tensor)."""
+    def span(self, name: str, rows: tuple[int, int] | None = None) -> tuple[int, int, list[int]]:
+        """(file offset, byte count, shape) of tensor `name`, or of its rows a..b-1."""
         entry = self.header[name]
-        shape, dtype = list(entry["shape"]), self.dtype(name)
+        shape = list(entry["shape"])
         begin, end = entry["data_offsets"]
         if rows is not None and shape:
             row_bytes = (end - begin) // shape[0] if shape[0] else 0
             a, b = max(0, rows[0]), min(shape[0], rows[1])
-            begin, end, shape[0] = begin + a * row_bytes, begin + b * row_bytes, b - a
-        buffer = bytearray(end - begin)
-        view, done = memoryview(buffer), 0
-        while done < len(buffer):
-            got = os.preadv(self._fd, [view[done:]], self.data_start + begin + done)
+            begin, end, shape[0] = begin + a * row_bytes, begin + b * row_bytes, max(0, b - a)
+        return self.data_start + begin, end - begin, shape
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor, or rows a..b-1 of its first dimension, in its stored dtype (a new, writable tensor)."""
+        _, _, shape = self.span(name, rows)
+        out = torch.empty(shape, dtype=self.dtype(name))
+        self.read_into(name, out, rows)
+        return out
+
+    def read_into(self, name: str, out: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
+        """Fill the contiguous CPU tensor `out` (stored dtype, same number of values) straight from the file."""
+        offset, nbytes, _ = self.span(name, rows)
+        if out.dtype != self.dtype(name) or not out.is_contiguous() or out.numel() * out.element_size() != nbytes:
+            raise ValueError(f"{self.path}: tensor {name}: cannot read {nbytes} bytes of {self.dtype(name)} into {out.dtype} {tuple(out.shape)}")
+        if not nbytes:
+            return
+        view, done = memoryview(out.reshape(-1).view(torch.uint8).numpy()), 0
+        while done < nbytes:
+            got = os.preadv(self._fd, [view[done:]], offset + done)
             if got <= 0:
                 raise self._fail(f"short read of tensor {name}")
             done += got
-        if not buffer:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(buffer, dtype=dtype).reshape(shape)
 
     def close(self) -> None:
         if self._fd >= 0:

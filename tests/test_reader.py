@@ -1,0 +1,104 @@
+"""The trajectory reader's stream: every planned block, in order, with its Gram; errors and early stops are clean."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import relex.fit.gram
+from relex.errors import RelexError
+from relex.store import Block, TrajectoryStore
+from tests.conftest import STEPS, cli
+
+
+@pytest.fixture(params=["in place", "copied"])
+def store(request, planted, tmp_path):
+    base, run, _ = planted
+    extra = ["--copy"] if request.param == "copied" else []
+    assert cli("ingest", run, "--base", base, "--out", tmp_path / "store", *extra) == 0
+    return TrajectoryStore.open(tmp_path / "store")
+
+
+def plan(reader, names, max_elements, gram_every=2):
+    """Row blocks of `names`, plus each tensor whole; every `gram_every`-th block asks for its Gram."""
+    blocks = [Block(n, rows) for n in names for rows in reader.row_blocks(n, max_elements)] + [Block(n) for n in names]
+    return [Block(b.name, b.rows, gram=i % gram_every == 0) for i, b in enumerate(blocks)]
+
+
+def reader_threads() -> int:
+    return sum(t.name == "relex-reader" for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("readers", [1, 2, 3])
+@pytest.mark.parametrize("consumer_delay", [0.0, 0.002])
+def test_stream_yields_every_planned_block_in_order_with_its_gram(store, readers, consumer_delay, monkeypatch):
+    reader = store.reader()
+    blocks = plan(reader, store.trajectory_names, max_elements=7 * len(store.steps) * 64)  # blocks of a few rows
+    sides = []
+    real_gram = relex.fit.gram.chunk_gram
+    monkeypatch.setattr(relex.fit.gram, "chunk_gram", lambda m, d: sides.append(threading.current_thread().name) or real_gram(m, d))
+    threads_before = torch.get_num_threads()
+    seen = []
+    for block, matrix, gram in reader.stream(blocks, readers=readers):
+        expected = store.reader().read(block.name, block.rows)
+        assert torch.equal(matrix, expected), block
+        if block.gram:
+            m = expected.double()
+            torch.testing.assert_close(gram, m @ m.T, rtol=1e-5, atol=1e-12)
+        else:
+            assert gram is None
+        seen.append(block)
+        time.sleep(consumer_delay)
+    assert seen == blocks
+    assert len(sides) == sum(b.gram for b in blocks)
+    if consumer_delay:  # a slow caller leaves the Grams to the readers, which would otherwise wait for buffers
+        assert "relex-reader" in sides
+    assert reader_threads() == 0
+    assert torch.get_num_threads() == threads_before
+
+
+def test_read_into_fills_a_column_slice_of_a_larger_matrix(store):
+    reader = store.reader()
+    name = "model.layers.0.mlp.up_proj.weight"
+    rows = reader.row_blocks(name, 3 * len(store.steps) * store.tensors[name].shape[1])[1]
+    numel = reader.block_numel(name, rows)
+    big = torch.full((len(store.steps), numel + 10), -1.0)
+    reader.read_into(name, big[:, 5 : 5 + numel], rows)
+    assert torch.equal(big[:, 5 : 5 + numel], reader.read(name, rows))
+    assert (big[:, :5] == -1).all() and (big[:, 5 + numel :] == -1).all()
+
+
+def test_a_reading_error_is_raised_at_its_block_and_the_readers_stop(planted, tmp_path):
+    base, run, _ = planted
+    assert cli("ingest", run, "--base", base, "--out", tmp_path / "store") == 0
+    store = TrajectoryStore.open(tmp_path / "store")
+    bad_name, bad_step = store.trajectory_names[3], STEPS[2]
+    path = run / f"checkpoint-{bad_step}" / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors[bad_name][0, 0] = float("nan")  # the referenced checkpoint changed after ingest
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    reader = store.reader()
+    blocks = [Block(n, gram=True) for n in store.trajectory_names]
+    threads_before = torch.get_num_threads()
+    served = []
+    with pytest.raises(RelexError, match=f"tensor {bad_name}: NaN or Inf at step {bad_step}"):
+        for block, _, _ in reader.stream(blocks, readers=2):
+            served.append(block.name)
+    assert served == store.trajectory_names[:3]
+    assert reader_threads() == 0
+    assert torch.get_num_threads() == threads_before
+
+
+def test_stopping_a_stream_early_releases_its_readers(store):
+    reader = store.reader()
+    blocks = [Block(n) for n in store.trajectory_names] * 20
+    threads_before = torch.get_num_threads()
+    stream = reader.stream(blocks, readers=2)
+    next(stream)
+    stream.close()
+    assert reader_threads() == 0
+    assert torch.get_num_threads() == threads_before
