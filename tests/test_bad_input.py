@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -70,6 +71,15 @@ def test_nan_in_a_referenced_checkpoint_changed_after_ingest(planted, store, tmp
     edit(run / "checkpoint-6", lambda t: t[name].__setitem__(0, math.nan))
     message = run_fails(capsys, "extrapolate", store, "--targets", "50", "--out", tmp_path / "o", out=tmp_path / "o")
     assert name in message and "step 6" in message
+
+
+@pytest.mark.parametrize("command", ["fit", "extrapolate"])
+def test_a_referenced_checkpoint_deleted_after_ingest(planted, store, tmp_path, capsys, command):
+    _, run, _ = planted
+    shutil.rmtree(run / "checkpoint-9")
+    args = ["--targets", "50"] if command == "extrapolate" else []
+    message = run_fails(capsys, command, store, *args, "--out", tmp_path / "o", out=tmp_path / "o")
+    assert "checkpoint-9" in message
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
