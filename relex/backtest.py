@@ -93,7 +93,7 @@ def backtest_store(
         method.check(plan, later)
     p, n = len(prefix), len(steps)
     device = resolve_device(config.device)
-    reader = store.reader(steps)
+    reader = store.reader(steps, direct=store.reads_direct(config.io))
     result = BacktestResult(prefix, later, list(methods), {m: {s: {} for s in later} for m in methods})
     names = store.trajectory_names
     stream = ((name, grams[name]) for name in names) if grams is not None else tensor_grams(reader, names, device, config.chunk_elements)

@@ -124,7 +124,7 @@ def coefficient_series(store, fit, names: list[str]) -> list[CoefficientSeries]:
 
     steps = store.steps
     fit_index = fit_step_indices(steps, fit.steps)
-    reader = store.reader(steps)
+    reader = store.reader(steps, direct=store.reads_direct(fit.config.io))
     device = resolve_device(fit.config.device)
     out = []
     live = []

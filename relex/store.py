@@ -35,6 +35,7 @@ from relex.io.stream_writer import StreamingSafetensorsWriter
 LOG = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
+IO_MODES = ("auto", "direct", "cached")
 STREAM_BUFFERS = 4  # buffers a stream cycles through: one the caller holds, the others the reader thread fills
 STREAM_BYTES = 2**30  # ... as many as fit in this much memory, but at least 2
 # reader threads of a stream: one leaves the other cores to compute on small machines; on larger ones a second
@@ -154,6 +155,30 @@ class TrajectoryStore:
     def size_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
 
+    def data_bytes(self) -> int:
+        """Bytes a pass over every step reads: the delta files and the weight files of referenced checkpoints."""
+        files = set()
+        for entry in self.entries:
+            if entry.kind == "checkpoint":
+                files.update(CheckpointReader(entry.path).files.values())
+            else:
+                files.add(self.path / entry.path)
+        return sum(f.stat().st_size for f in files if f.is_file())
+
+    def reads_direct(self, io: str) -> bool:
+        """Whether passes over this store should bypass the page cache (O_DIRECT), for `io` auto, direct or cached.
+
+        auto: direct when the data is larger than the memory available, where the page cache cannot keep it for
+        the next pass anyway and copying through it only costs CPU; cached otherwise, so a fit followed by an
+        extrapolation reads the second time from RAM.
+        """
+        if io not in IO_MODES:
+            raise RelexError(f"unknown I/O mode {io!r}; valid: {', '.join(IO_MODES)}")
+        if io == "auto":
+            available = memory_available()
+            return available is not None and self.data_bytes() > available
+        return io == "direct"
+
     # ---- appending ----------------------------------------------------------------------------------------------
     def _check_new_step(self, step: int) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
@@ -219,8 +244,20 @@ class TrajectoryStore:
         self._save()
         LOG.debug("%s: recorded step %d", self.path, entry.step)
 
-    def reader(self, steps: Sequence[int] | None = None) -> "TrajectoryReader":
-        return TrajectoryReader(self, list(self.steps if steps is None else steps))
+    def reader(self, steps: Sequence[int] | None = None, direct: bool = False) -> "TrajectoryReader":
+        """A reader of `steps` (default all); `direct` reads with O_DIRECT, bypassing the page cache."""
+        return TrajectoryReader(self, list(self.steps if steps is None else steps), direct)
+
+
+def memory_available() -> int | None:
+    """Bytes of memory available to new work (Linux's MemAvailable), or None where that is not known."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _span(steps: Sequence[int]) -> str:
@@ -247,9 +284,10 @@ class TrajectoryReader:
     (which on a cold page cache is mostly kernel time) runs on its own core while the caller computes.
     """
 
-    def __init__(self, store: TrajectoryStore, steps: list[int]):
+    def __init__(self, store: TrajectoryStore, steps: list[int], direct: bool = False):
         self.store = store
         self.steps = steps
+        self.direct = direct
         self.entries = [store.entry(s) for s in steps]
         self.infos = store.tensors
         self.base = CheckpointReader(store.base_dir)
@@ -260,9 +298,9 @@ class TrajectoryReader:
         path = entry.path if entry.kind == "checkpoint" else str(self.store.path / entry.path)
         if path not in self._readers:
             if entry.kind == "checkpoint":
-                self._readers[path] = CheckpointReader(path)
+                self._readers[path] = CheckpointReader(path, self.direct)
             else:
-                self._readers[path] = CheckpointReader.from_file(Path(path))
+                self._readers[path] = CheckpointReader.from_file(Path(path), self.direct)
         return self._readers[path]
 
     # ---- which rows ------------------------------------------------------------------------------------------------

@@ -18,6 +18,11 @@ def add_fit_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--window", type=int, default=None, help="the temporal model sees the last N observed steps (default: all)")
     group.add_argument("--observe-until", type=int, default=None, help="use only recorded steps ≤ this (default: all)")
     group.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
+    group.add_argument(
+        "--io", default="auto", choices=["auto", "direct", "cached"],
+        help="reading the store: direct bypasses the page cache (O_DIRECT), for stores larger than RAM; "
+        "cached goes through it; auto (default) picks direct when the store is larger than the memory available",
+    )
 
 
 def fit_config_from(args: argparse.Namespace):
@@ -30,6 +35,7 @@ def fit_config_from(args: argparse.Namespace):
         window=args.window,
         observe_until=args.observe_until,
         device=args.device,
+        io=args.io,
     )
 
 

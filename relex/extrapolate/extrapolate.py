@@ -101,7 +101,7 @@ class _Pass:
         # the manifest's views, computed once: the pass consults them for every tensor
         self.infos, self.tied, self.trajectory = store.tensors, store.tied, set(store.trajectory_names)
         self.layout = output_layout(self.base.infos(), self.tied, self.out_dtype)
-        self.reader = store.reader(steps)
+        self.reader = store.reader(steps, direct=store.reads_direct(config.fit.io))
         self.block = fit_config.chunk_elements
         self.grams: dict[str, np.ndarray] = {}
         self.reports = [self._report(t) for t in config.targets]

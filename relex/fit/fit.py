@@ -45,6 +45,7 @@ class FitConfig:
     observe_until: int | None = None  # only store steps ≤ this are observed (default: all)
     device: str = "auto"
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
+    io: str = "auto"  # reading the store: auto, direct (O_DIRECT, bypassing the page cache) or cached
 
     def temporal_model(self) -> TemporalModel:
         return make_temporal(self.temporal, self.degree)
@@ -221,12 +222,12 @@ def fit_store(store: TrajectoryStore, config: FitConfig) -> FitResult:
     steps = observed_steps(store, config.observe_until)
     validate(config, steps)
     device = resolve_device(config.device)
-    reader = store.reader(steps)
+    reader = store.reader(steps, direct=store.reads_direct(config.io))
     infos = store.tensors
     names = store.trajectory_names
     stream = tensor_grams(reader, names, device, config.chunk_elements)
     grams = dict(tqdm(stream, desc="fit: Gram matrices", unit="tensor", total=len(names), leave=False))
-    LOG.info("fitted %d tensors over %d steps on %s", len(grams), len(steps), device)
+    LOG.info("fitted %d tensors over %d steps on %s, reading %s", len(grams), len(steps), device, "direct" if reader.direct else "through the page cache")
     numel = {name: infos[name].numel for name in grams}
     return fit_from_grams(config, steps, grams, numel, str(store.path))
 

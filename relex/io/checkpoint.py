@@ -71,17 +71,19 @@ def _header_names(path: Path) -> list[str]:
 class CheckpointReader:
     """Reads named tensors (or row ranges of them) from one checkpoint folder, keeping file handles open."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, direct: bool = False):
         self.folder = Path(folder)
         self.files = weight_files(self.folder)
+        self.direct = direct  # read values with O_DIRECT, bypassing the page cache (see SafetensorsFile)
         self._handles: dict[Path, SafetensorsFile] = {}
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "CheckpointReader":
+    def from_file(cls, path: str | Path, direct: bool = False) -> "CheckpointReader":
         """A reader over one safetensors file (the store's per-step delta files)."""
         reader = cls.__new__(cls)
         reader.folder = Path(path).parent
         reader.files = {name: Path(path) for name in _header_names(Path(path))}
+        reader.direct = direct
         reader._handles = {}
         return reader
 
@@ -96,7 +98,7 @@ class CheckpointReader:
         if path not in self._handles:
             if not path.is_file():
                 raise RelexError(f"{path}: listed in the index for {name} but missing")
-            self._handles[path] = SafetensorsFile(path)
+            self._handles[path] = SafetensorsFile(path, self.direct)
         handle = self._handles[path]
         if name not in handle.header:
             raise RelexError(f"{path}: tensor {name} is listed in the index but not in the file")

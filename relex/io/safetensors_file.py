@@ -10,8 +10,10 @@ fails at once, naming itself.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
+import threading
 from pathlib import Path
 
 import torch
@@ -20,17 +22,41 @@ from relex.errors import RelexError
 from relex.io.dtypes import SAFETENSORS_TO_TORCH
 
 MAX_HEADER_BYTES = 100 * 2**20
+DIRECT_ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffer addresses aligned to the device's block size
+DIRECT_PIECE = 8 * 2**20  # bytes per direct read
+_bounce = threading.local()  # one page-aligned buffer per thread for direct reads
+
+
+def _bounce_buffer(size: int) -> mmap.mmap:
+    buffer = getattr(_bounce, "buffer", None)
+    if buffer is None or len(buffer) < size:
+        buffer = _bounce.buffer = mmap.mmap(-1, size)  # anonymous maps are page-aligned
+    return buffer
 
 
 class SafetensorsFile:
-    def __init__(self, path: str | Path):
+    """One safetensors file. With `direct=True`, values are read with O_DIRECT where the OS and file system allow
+    it: from storage into an aligned buffer and copied from there, bypassing the page cache (no kernel copy, no
+    cache pollution), which is what a trajectory larger than RAM wants. Elsewhere it falls back to plain reads."""
+
+    def __init__(self, path: str | Path, direct: bool = False):
         self.path = Path(path)
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except OSError as error:
             raise RelexError(f"{self.path}: cannot open ({error.strerror})") from None
+        self._direct_fd = -1
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                self._direct_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+            except OSError:  # e.g. tmpfs: no direct I/O there, plain reads it is
+                self._direct_fd = -1
         self.size = os.fstat(self._fd).st_size
         self.header, self.data_start = self._read_header()
+
+    @property
+    def direct(self) -> bool:
+        return self._direct_fd >= 0
 
     def _fail(self, why: str) -> RelexError:
         return RelexError(f"{self.path}: corrupt or truncated safetensors file ({why})")
@@ -89,17 +115,43 @@ class SafetensorsFile:
             raise ValueError(f"{self.path}: tensor {name}: cannot read {nbytes} bytes of {self.dtype(name)} into {out.dtype} {tuple(out.shape)}")
         if not nbytes:
             return
-        view, done = memoryview(out.reshape(-1).view(torch.uint8).numpy()), 0
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        if self._direct_fd >= 0:
+            try:
+                self._read_direct(name, offset, nbytes, view)
+                return
+            except OSError:  # the file system took O_DIRECT at open but refuses the read: plain reads from now on
+                os.close(self._direct_fd)
+                self._direct_fd = -1
+        done = 0
         while done < nbytes:
             got = os.preadv(self._fd, [view[done:]], offset + done)
             if got <= 0:
                 raise self._fail(f"short read of tensor {name}")
             done += got
 
+    def _read_direct(self, name: str, offset: int, nbytes: int, view: memoryview) -> None:
+        """Bytes offset..offset+nbytes into `view`, in aligned pieces through this thread's bounce buffer."""
+        bounce = _bounce_buffer(DIRECT_PIECE)
+        done = 0
+        while done < nbytes:
+            start = (offset + done) // DIRECT_ALIGN * DIRECT_ALIGN
+            skip = offset + done - start
+            length = min(DIRECT_PIECE, -(-(skip + nbytes - done) // DIRECT_ALIGN) * DIRECT_ALIGN)
+            got = os.preadv(self._direct_fd, [memoryview(bounce)[:length]], start)
+            take = min(got - skip, nbytes - done)
+            if take <= 0:
+                raise self._fail(f"short read of tensor {name}")
+            view[done : done + take] = memoryview(bounce)[skip : skip + take]
+            done += take
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if self._direct_fd >= 0:
+            os.close(self._direct_fd)
+            self._direct_fd = -1
 
     def __del__(self):
         try:
