@@ -9,7 +9,8 @@ A store is a folder:
 A step is either a materialised delta file or a reference to a checkpoint folder left in place (`relex ingest`
 without `--copy`); both read the same. Steps are appended one at a time: the data file is written under a
 temporary name and renamed, then the manifest is replaced atomically, so a step exists once the manifest lists it.
-Reading a tensor across steps is lazy and goes by row blocks (`TrajectoryReader.blocks`).
+Reading a tensor across steps is lazy and goes by row blocks, read ahead in a background thread
+(`TrajectoryReader.stream`).
 """
 
 from __future__ import annotations
@@ -291,17 +292,12 @@ class TrajectoryReader:
         self.entries = [store.entry(s) for s in steps]
         self.infos = store.tensors
         self.base = CheckpointReader(store.base_dir)
-        self._readers: dict[str, CheckpointReader] = {}
-        self._sources = [self._source(entry) for entry in self.entries]
+        self._sources = [self._open(entry) for entry in self.entries]  # one reader per step, files kept open
 
-    def _source(self, entry: StepEntry) -> CheckpointReader:
-        path = entry.path if entry.kind == "checkpoint" else str(self.store.path / entry.path)
-        if path not in self._readers:
-            if entry.kind == "checkpoint":
-                self._readers[path] = CheckpointReader(path, self.direct)
-            else:
-                self._readers[path] = CheckpointReader.from_file(Path(path), self.direct)
-        return self._readers[path]
+    def _open(self, entry: StepEntry) -> CheckpointReader:
+        if entry.kind == "checkpoint":
+            return CheckpointReader(entry.path, self.direct)
+        return CheckpointReader.from_file(self.store.path / entry.path, self.direct)
 
     # ---- which rows ------------------------------------------------------------------------------------------------
     def row_blocks(self, name: str, max_elements: int) -> list[tuple[int, int] | None]:
@@ -365,7 +361,7 @@ class TrajectoryReader:
         from relex.fit.gram import chunk_gram
 
         device = device or torch.device("cpu")
-        blocks = [Block(*b) for b in blocks]
+        blocks = list(blocks)
         steps = len(self.entries)
         size = max((steps * self.block_numel(b.name, b.rows) for b in blocks), default=0)
         free: queue.Queue = queue.Queue()
@@ -431,11 +427,3 @@ class TrajectoryReader:
             for worker in workers:
                 worker.join()
             torch.set_num_threads(torch_threads)
-
-    def blocks(self, name: str, max_elements: int) -> Iterator[tuple[tuple[int, int] | None, torch.Tensor]]:
-        """(rows, M restricted to rows) for consecutive row blocks of ≤ max_elements values, read ahead.
-
-        Every block is a view of a reused buffer, valid until the next block is asked for.
-        """
-        for block, matrix, _ in self.stream([Block(name, rows) for rows in self.row_blocks(name, max_elements)]):
-            yield block.rows, matrix

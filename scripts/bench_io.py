@@ -17,16 +17,9 @@ import time
 from pathlib import Path
 from statistics import median
 
+from bench_fit import evict  # scripts/ is on the path when a script there runs
+
 PIECE = 8 * 2**20
-
-
-def drop(files: list[Path]) -> None:
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def read_all(files: list[Path], direct: bool) -> tuple[float, float, int]:
@@ -59,7 +52,7 @@ def main() -> None:
     size = 0
     for _ in range(args.repeats):
         for label, direct in (("page cache", False), ("O_DIRECT", True)):
-            drop(files)
+            evict(Path(args.folder))
             wall, sys_cpu, size = read_all(files, direct)
             runs[label].append((wall, sys_cpu))
     print(f"{len(files)} files, {size / 1e9:.2f} GB, page cache dropped before each run; median of {args.repeats}")

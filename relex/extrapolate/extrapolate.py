@@ -102,21 +102,23 @@ class _Pass:
         self.infos, self.tied, self.trajectory = store.tensors, store.tied, set(store.trajectory_names)
         self.layout = output_layout(self.base.infos(), self.tied, self.out_dtype)
         self.reader = store.reader(steps, direct=store.reads_direct(config.fit.io))
-        self.block = fit_config.chunk_elements
         self.grams: dict[str, np.ndarray] = {}
         self.reports = [self._report(t) for t in config.targets]
         # a trajectory that fits in `cache_elements` is read whole, once, for both the Gram and the weighted sum;
         # a larger one block by block, twice when its Gram is needed. All reads of the pass are planned here and
         # run ahead in the reader's background thread.
         plan = []
+        self._blocks_per_read: dict[str, int] = {}  # how many stream blocks one read of a tensor takes
         for name in (n for n, _ in self.layout if n in self.trajectory):
             if self._cacheable(name):
+                rows = [None]
                 plan.append(Block(name, None, gram=True))
             else:
-                rows = self.reader.row_blocks(name, self.block)
+                rows = self.reader.row_blocks(name, fit_config.chunk_elements)
                 if self._needs_gram():
                     plan += [Block(name, r, gram=True) for r in rows]
                 plan += [Block(name, r) for r in rows]
+            self._blocks_per_read[name] = len(rows)
         self._stream = self.reader.stream(plan, self.device)
 
     def _needs_gram(self) -> bool:
@@ -140,8 +142,8 @@ class _Pass:
 
     # ---- per tensor ----------------------------------------------------------------------------------------------
     def _next_blocks(self, name: str) -> Iterator[tuple[tuple[int, int] | None, torch.Tensor, torch.Tensor | None]]:
-        """The next blocks of the stream, one pass over tensor `name`: (rows, matrix, its Gram or None)."""
-        for _ in range(1 if self._cacheable(name) else len(self.reader.row_blocks(name, self.block))):
+        """The next blocks of the stream, one read of tensor `name`: (rows, matrix, its Gram or None)."""
+        for _ in range(self._blocks_per_read[name]):
             block, matrix, gram = next(self._stream)
             assert block.name == name, f"read plan out of step: {block.name} read for {name}"
             yield block.rows, matrix, gram
@@ -157,7 +159,7 @@ class _Pass:
     def trajectory_outputs(self, name: str, info: TensorInfo):
         """Yield (rows, [one output block per target]) for a tensor with a trajectory."""
         blocks, fit = self._next_blocks(name), None
-        if self._needs_gram() and self._cacheable(name):  # read once: one matrix serves the Gram and the sum
+        if self._cacheable(name):  # read once: one matrix serves the Gram and the sum
             blocks = list(blocks)
             fit = self._fit_from_gram(name, blocks)
         elif self._needs_gram():  # read twice: once for the Gram, once for the sum
