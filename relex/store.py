@@ -358,10 +358,12 @@ class TrajectoryReader:
         Each matrix is a view of a reused buffer and stays valid only until the next one is asked for. An error
         while reading (a changed checkpoint, a short file) is raised here, at the block it concerns.
         """
-        from relex.fit.gram import chunk_gram
+        from relex.fit.gram import chunk_gram, prepare
 
         device = device or torch.device("cpu")
         blocks = list(blocks)
+        if any(block.gram for block in blocks):  # load the Gram kernel while the first reads run
+            threading.Thread(target=prepare, args=(device,), name="relex-prepare", daemon=True).start()
         steps = len(self.entries)
         size = max((steps * self.block_numel(b.name, b.rows) for b in blocks), default=0)
         free: queue.Queue = queue.Queue()

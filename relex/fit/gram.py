@@ -2,18 +2,27 @@
 
 G is a sum over any split of the d columns of M, so one block of T × rows values is in memory at a time, on
 the chosen device; a block of a few MiB is still in the CPU cache when its product is formed. Each block's
-product is a float32 matrix multiply (blocked summation in BLAS keeps it accurate to ~1e-6 relative) and the
-blocks are accumulated in float64, so long runs and large tensors do not lose digits.
+product is formed in float32 (on the CPU by the kernel in `gram_kernel`, which computes the lower triangle only,
+or by torch's matrix multiply on a GPU or without numba) and the blocks are accumulated in float64, so long runs
+and large tensors do not lose digits.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import numpy as np
 import torch
 
 from relex.errors import RelexError
+
+# a block is split across threads only when each gets at least this many columns
+THREAD_COLUMNS = 1 << 16
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -27,9 +36,55 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def chunk_gram(chunk: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The Gram contribution of one (T × c) block, as float64 on `device`."""
+    """The Gram contribution of one (T × c) block, as float64 on `device`.
+
+    On the CPU it uses as many threads as torch would (`torch.get_num_threads()` in the calling thread).
+    """
+    if device.type == "cpu" and chunk.device.type == "cpu" and _kernel() is not None:
+        return torch.from_numpy(cpu_gram(chunk.to(torch.float32).contiguous().numpy(), torch.get_num_threads()))
     x = chunk.to(device=device, dtype=torch.float32, non_blocking=True)
     return (x @ x.T).double()
+
+
+def cpu_gram(matrix: np.ndarray, threads: int = 1) -> np.ndarray:
+    """M Mᵀ in float64 for a C-contiguous float32 M (T × n), by `gram_kernel`, its columns split over threads."""
+    kernel = _kernel()
+    steps, n = matrix.shape
+    parts = max(1, min(threads, n // THREAD_COLUMNS))
+    if parts == 1:
+        gram = np.zeros((steps, steps))
+        kernel.accumulate(matrix, gram)
+    else:
+        bounds = [n * i // parts for i in range(parts + 1)]
+        grams = np.zeros((parts, steps, steps))
+        list(_thread_pool().map(lambda i: kernel.accumulate(matrix, grams[i], bounds[i], bounds[i + 1]), range(parts)))
+        gram = grams.sum(axis=0)
+    lower = np.tril(gram)
+    return lower + np.tril(gram, -1).T
+
+
+def prepare(device: torch.device) -> None:
+    """Load (or, in a fresh install, compile) the CPU kernel now, so that the first block does not wait for it."""
+    if device.type == "cpu" and _kernel() is not None:
+        cpu_gram(np.zeros((4, 1), dtype=np.float32))
+
+
+@functools.cache
+def _kernel():
+    """relex.fit.gram_kernel, or None without numba (then torch's matrix multiply forms the Gram)."""
+    try:
+        from relex.fit import gram_kernel
+    except ImportError:
+        return None
+    return gram_kernel
+
+
+def _thread_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(thread_name_prefix="relex-gram")
+        return _pool
 
 
 def tensor_gram(reader, name: str, device: torch.device, max_elements: int) -> np.ndarray:

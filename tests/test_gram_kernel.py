@@ -1,0 +1,83 @@
+"""The CPU Gram kernel (relex.fit.gram_kernel) against float64 products, and the torch fallback without numba."""
+
+import numpy as np
+import pytest
+import torch
+
+from relex.fit import gram as gram_module
+from relex.fit import gram_kernel
+from relex.fit.gram import chunk_gram, cpu_gram
+
+CPU = torch.device("cpu")
+
+
+def reference(m: np.ndarray) -> np.ndarray:
+    x = m.astype(np.float64)
+    return x @ x.T
+
+
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-300))
+
+
+# steps around the 4-row tiles (T mod 4 = 0..3, fewer rows than a tile); columns: none, one, fewer than a
+# vector, and more than one kernel piece with a remainder
+@pytest.mark.parametrize("steps", [1, 2, 3, 4, 5, 7, 8, 20, 21, 23])
+@pytest.mark.parametrize("columns", [0, 1, 15, 2 * gram_kernel.PIECE + 37])
+def test_kernel_equals_float64_product(steps, columns):
+    m = np.random.default_rng(steps * 1000 + columns).standard_normal((steps, columns), dtype=np.float32)
+    got = cpu_gram(m)
+    want = reference(m)
+    assert got.shape == (steps, steps)
+    assert np.array_equal(got, got.T)
+    assert relative_error(got, want) < 1e-6
+
+
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_columns_split_over_threads_give_the_same_gram(monkeypatch, threads):
+    monkeypatch.setattr(gram_module, "THREAD_COLUMNS", 1000)
+    m = np.random.default_rng(threads).standard_normal((20, 12_345), dtype=np.float32)
+    assert relative_error(cpu_gram(m, threads), reference(m)) < 1e-6
+    assert relative_error(cpu_gram(m, threads), cpu_gram(m, 1)) < 1e-6
+
+
+def test_accumulate_adds_to_the_lower_triangle_only():
+    m = np.random.default_rng(0).standard_normal((6, 100), dtype=np.float32)
+    gram = np.full((6, 6), 7.0)
+    gram_kernel.accumulate(m, gram, 10, 60)
+    want = reference(m[:, 10:60]) + 7.0
+    lower = np.tril_indices(6)
+    upper = np.triu_indices(6, 1)
+    assert relative_error(gram[lower], want[lower]) < 1e-6
+    assert np.all(gram[upper] == 7.0)
+
+
+def test_nan_and_inf_reach_the_gram():
+    """Only reassociation is allowed in the kernel, so a bad value is not optimised away."""
+    m = np.ones((8, 1000), dtype=np.float32)
+    m[5, 17] = np.nan
+    m[2, 900] = np.inf
+    g = cpu_gram(m)
+    assert np.isnan(g[5]).all() and np.isnan(g[:, 5]).all()
+    assert not np.isfinite(g[2]).any()
+    assert g[0, 1] == 1000.0
+
+
+def test_chunk_gram_takes_views_and_other_dtypes():
+    big = torch.randn(12, 5000)
+    view = big[:, 1000:3000]  # rows of a column slice are not adjacent
+    want = reference(view.numpy().copy())
+    assert relative_error(chunk_gram(view, CPU).numpy(), want) < 1e-6
+    half = view.to(torch.bfloat16)
+    got = chunk_gram(half, CPU).numpy()
+    assert got.dtype == np.float64
+    assert relative_error(got, reference(half.float().numpy())) < 1e-6
+
+
+def test_without_numba_torch_forms_the_same_gram(monkeypatch):
+    m = torch.randn(20, 40_000)
+    with_kernel = chunk_gram(m, CPU)
+    monkeypatch.setattr(gram_module, "_kernel", lambda: None)
+    without = chunk_gram(m, CPU)
+    assert without.dtype == torch.float64
+    assert relative_error(without.numpy(), with_kernel.numpy()) < 1e-5
