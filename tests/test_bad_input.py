@@ -82,6 +82,26 @@ def test_a_referenced_checkpoint_deleted_after_ingest(planted, store, tmp_path, 
     assert "checkpoint-9" in message
 
 
+def test_a_full_disk_while_writing_leaves_nothing(store, tmp_path, capsys, monkeypatch):
+    from relex.io.stream_writer import StreamingSafetensorsWriter
+
+    original, calls = StreamingSafetensorsWriter.write, []
+
+    def full_disk(self, name, values):
+        calls.append(name)
+        if len(calls) == 7:
+            raise OSError(28, "No space left on device")
+        original(self, name, values)
+
+    monkeypatch.setattr(StreamingSafetensorsWriter, "write", full_disk)
+    out = tmp_path / "o"
+    message = run_fails(capsys, "extrapolate", store, "--targets", "30,40", "--out", out, out=out)
+    assert str(out) in message and "No space left on device" in message
+    monkeypatch.setattr(StreamingSafetensorsWriter, "write", original)  # with room again, the same job succeeds
+    assert cli("extrapolate", store, "--targets", "30,40", "--out", out) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["fit", "step-30", "step-40"]
+
+
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
 def test_corrupt_safetensors(planted, tmp_path, capsys, damage):
     base, run, _ = planted

@@ -29,7 +29,6 @@ from relex.fit.trajectory_fit import TensorFit, fit_tensor
 from relex.io.checkpoint import CheckpointReader, TensorInfo
 from relex.io.dtypes import dtype_name, parse_dtype
 from relex.io.hf_folder import HFFolderWriter, parse_size
-from relex.io.write_behind import WriteBehind
 from relex.store import Block, TrajectoryStore
 
 LOG = logging.getLogger(__name__)
@@ -209,42 +208,38 @@ def extrapolate_store(store: TrajectoryStore, out_dir: str | Path, config: Extra
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     writers = [HFFolderWriter(r.path, state.layout, base_dir=store.base_dir, max_shard_bytes=max_shard) for r in state.reports]
-    behind = WriteBehind(writers)  # file writes overlap the next tensor's arithmetic
     started = time.time()
     try:
         tied_outputs: dict[str, list[torch.Tensor]] = {}
         for name, info in tqdm(state.layout, desc=f"extrapolate ({config.method})", unit="tensor", leave=False):
             alias_of = state.tied.get(name)
             if alias_of is not None and alias_of in tied_outputs:
-                for i, values in enumerate(tied_outputs.pop(alias_of)):
-                    behind.write(i, name, values)
+                for writer, values in zip(writers, tied_outputs.pop(alias_of)):
+                    writer.write(name, values)
                 continue
             keep = name in state.tied.values()
             parts: list[list[torch.Tensor]] = [[] for _ in writers]
             for _, outputs in state.tensor_outputs(name, info):
-                for i, (values, part) in enumerate(zip(outputs, parts)):
-                    behind.write(i, name, values)
+                for writer, values, part in zip(writers, outputs, parts):
+                    writer.write(name, values)
                     if keep:
                         part.append(values)
             if keep:
                 tied_outputs[name] = [torch.cat([p.reshape(-1) for p in part]).reshape(info.shape) for part in parts]
-        behind.drain()
         fit_used = fit or (fit_from_grams(state.fit_config, state.plan.steps.tolist(), state.grams, {n: state.infos[n].numel for n in state.grams}, str(store.path)) if state.grams else None)
         for writer, report in zip(writers, state.reports):
             report.delta_norm = report._pred_sq**0.5
             report.rounding_loss = (report._lost_sq / report._pred_sq) ** 0.5 if report._pred_sq > 0 else 0.0
             writer.finish(state.out_dtype or _config_dtype(state), _provenance(state, report, fit_used))
     except BaseException as error:
-        behind.close()
         for writer in writers:
             writer.abort()
         if created:
             shutil.rmtree(out_dir, ignore_errors=True)
         if isinstance(error, OSError):  # a full disk, a lost mount: one line, not a traceback
-            raise RelexError(f"{out_dir}: writing the checkpoints failed: {error}") from error
+            raise RelexError(f"{out_dir}: nothing written: {error}") from error
         raise
     finally:
-        behind.close()
         state.close()
     if fit is None and state.grams:
         fit_used.save(out_dir / "fit", overwrite=True)
