@@ -81,3 +81,23 @@ def test_without_numba_torch_forms_the_same_gram(monkeypatch):
     without = chunk_gram(m, CPU)
     assert without.dtype == torch.float64
     assert relative_error(without.numpy(), with_kernel.numpy()) < 1e-5
+
+
+def test_a_kernel_that_cannot_compile_falls_back_to_torch(monkeypatch, caplog):
+    """E.g. numba with no writable cache folder: the fit goes on with torch's product, and says so."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot cache function '_lower': no locator available")
+
+    monkeypatch.setattr(gram_kernel, "accumulate", broken)
+    gram_module._kernel.cache_clear()
+    try:
+        m = torch.randn(6, 1000)
+        with caplog.at_level("WARNING", logger="relex.fit.gram"):
+            got = chunk_gram(m, CPU)
+        assert relative_error(got.numpy(), reference(m.numpy())) < 1e-5
+        assert "numba Gram kernel is unavailable" in caplog.text and "no locator" in caplog.text
+    finally:
+        monkeypatch.undo()
+        gram_module._kernel.cache_clear()
+    assert gram_module._kernel() is gram_kernel

@@ -10,6 +10,7 @@ and large tensors do not lose digits.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
@@ -18,6 +19,8 @@ import numpy as np
 import torch
 
 from relex.errors import RelexError
+
+LOG = logging.getLogger(__name__)
 
 # a block is split across threads only when each gets at least this many columns
 THREAD_COLUMNS = 1 << 16
@@ -71,10 +74,22 @@ def prepare(device: torch.device) -> None:
 
 @functools.cache
 def _kernel():
-    """relex.fit.gram_kernel, or None without numba (then torch's matrix multiply forms the Gram)."""
+    """relex.fit.gram_kernel, or None without numba (then torch's matrix multiply forms the Gram).
+
+    Also None, with a warning, when numba is installed but cannot compile or cache the kernel (e.g. no writable
+    cache folder: set NUMBA_CACHE_DIR), so that a fit never fails for want of the faster path.
+    """
     try:
         from relex.fit import gram_kernel
     except ImportError:
+        return None
+    except Exception as error:  # numba sets up its cache when the module is imported
+        LOG.warning("the numba Gram kernel is unavailable (%s); using torch's matrix product", error)
+        return None
+    try:
+        gram_kernel.accumulate(np.ones((5, 3), dtype=np.float32), np.zeros((5, 5)))
+    except Exception as error:  # numba's own errors have no common base class
+        LOG.warning("the numba Gram kernel is unavailable (%s); using torch's matrix product", error)
         return None
     return gram_kernel
 
