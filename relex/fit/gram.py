@@ -68,8 +68,8 @@ def cpu_gram(matrix: np.ndarray, threads: int = 1) -> np.ndarray:
 
 def prepare(device: torch.device) -> None:
     """Load (or, in a fresh install, compile) the CPU kernel now, so that the first block does not wait for it."""
-    if device.type == "cpu" and _kernel() is not None:
-        cpu_gram(np.zeros((4, 1), dtype=np.float32))
+    if device.type == "cpu":
+        _kernel()  # its trial product compiles the kernel or loads it from numba's cache
 
 
 @functools.cache
@@ -80,14 +80,11 @@ def _kernel():
     cache folder: set NUMBA_CACHE_DIR), so that a fit never fails for want of the faster path.
     """
     try:
-        from relex.fit import gram_kernel
-    except ImportError:
+        from relex.fit import gram_kernel  # numba sets up its cache here, at import
+
+        gram_kernel.accumulate(np.ones((5, 3), dtype=np.float32), np.zeros((5, 5)))  # compiles, or loads the cache
+    except ImportError:  # numba is not installed
         return None
-    except Exception as error:  # numba sets up its cache when the module is imported
-        LOG.warning("the numba Gram kernel is unavailable (%s); using torch's matrix product", error)
-        return None
-    try:
-        gram_kernel.accumulate(np.ones((5, 3), dtype=np.float32), np.zeros((5, 5)))
     except Exception as error:  # numba's own errors have no common base class
         LOG.warning("the numba Gram kernel is unavailable (%s); using torch's matrix product", error)
         return None
