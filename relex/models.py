@@ -243,8 +243,53 @@ def resolve_model(name_or_path: str) -> str:
         raise RelexError(f"{path}: is a file; expected a Hugging Face model folder")
     if _looks_like_path(name_or_path):
         raise RelexError(f"{name_or_path}: no such model folder")
-    # Anything else is a Hugging Face hub id ("org/name"); transformers downloads it for users with network.
-    return name_or_path
+    # Anything else is a Hugging Face hub id ("org/name"): its snapshot in the local cache, downloaded if needed.
+    return str(download_model(name_or_path))
+
+
+# files of a hub repository that a model folder needs (no pickled weights, no GGUF or ONNX copies)
+HUB_PATTERNS = ["*.safetensors", "*.json", "*.txt", "*.model", "*.jinja"]
+
+
+def download_model(hub_id: str) -> Path:
+    """The local snapshot of hub repository `hub_id` (from the cache, or downloaded where there is a network)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(hub_id, allow_patterns=HUB_PATTERNS))
+    except Exception as error:
+        message = hub_failure(error, hub_id)
+        if message is None:
+            raise
+        raise RelexError(message) from None
+
+
+def hub_failure(error: BaseException, hub_id: str | None = None) -> str | None:
+    """One line for a failure to get a model from the Hugging Face hub, or None when `error` is something else.
+
+    Looks through the chain of causes, since transformers wraps the hub's errors in an OSError.
+    """
+    try:
+        from huggingface_hub import errors
+    except ImportError:  # pragma: no cover - huggingface_hub comes with transformers
+        return None
+    what = f"model {hub_id}" if hub_id else "the model"
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, errors.LocalEntryNotFoundError):
+            return (
+                f"the Hugging Face hub cannot be reached and {what} is not in the local cache; connect to the network "
+                "once to download it, or pass a local model folder"
+            )
+        if isinstance(error, errors.GatedRepoError):
+            return f"{what} is gated on the hub: accept its terms on its hub page, then log in with `hf auth login`"
+        if isinstance(error, errors.RepositoryNotFoundError):
+            return f"{what}: no such repository on the hub (or it is private: log in with `hf auth login`)"
+        if isinstance(error, errors.HfHubHTTPError):
+            return f"{what}: the hub answered {error.response.status_code if error.response is not None else 'nothing'}"
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _looks_like_path(name: str) -> bool:

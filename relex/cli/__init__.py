@@ -1,7 +1,9 @@
 """The `relex` command line: one thin module per subcommand.
 
 Each module in this package defines `add_arguments(parser)` and `run(args)`; `run` validates its input and calls
-one library function. Only the module of the subcommand being run is imported. A `RelexError` becomes a one-line message and exit status 2, with no traceback.
+one library function. Only the module of the subcommand being run is imported. A `RelexError` (or a hub that cannot be
+reached) becomes a one-line message and exit status 2, with no traceback. `relex` alone lists the commands; `-v`
+works before or after the subcommand.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import importlib
 import logging
 import sys
 
+from relex import __version__
 from relex.errors import RelexError
 
 # subcommand (= module in relex.cli) -> one-line help
@@ -32,12 +35,19 @@ def _load(name: str):
     return importlib.import_module(f"relex.cli.{name}")
 
 
+def add_verbose(parser: argparse.ArgumentParser) -> None:
+    """`-v` after a subcommand too; SUPPRESS keeps a parser that did not see it from resetting the one given before."""
+    parser.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log debug messages")
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="relex", description="Record, fit and extrapolate RLVR weight trajectories.")
+    parser.add_argument("--version", action="version", version=f"relex {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, text in COMMANDS.items():
         command = sub.add_parser(name, help=text, description=text)
+        add_verbose(command)
         if name == only:
             _load(name).add_arguments(command)
     return parser
@@ -46,6 +56,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
+    if not argv or argv in (["-v"], ["--verbose"]):  # `relex` alone: the list of commands, not an error
+        build_parser().print_help()
+        return 0
     try:
         parser = build_parser(only=command if command in COMMANDS else None)
         args = parser.parse_args(argv)
@@ -56,6 +69,14 @@ def main(argv: list[str] | None = None) -> int:
         result = _load(args.command).run(args)
     except RelexError as error:
         print(f"relex {command or ''}: error: {error}".replace("  ", " "), file=sys.stderr)
+        return 2
+    except Exception as error:
+        from relex.models import hub_failure
+
+        message = hub_failure(error)  # the hub unreachable or a repository missing: one line, not 40 of traceback
+        if message is None:
+            raise
+        print(f"relex {command or ''}: error: {message}".replace("  ", " "), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("relex: interrupted", file=sys.stderr)

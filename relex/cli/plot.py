@@ -6,6 +6,8 @@ def _names(text):
 
 
 def add_arguments(parser):
+    from relex.cli import add_verbose
+
     kinds = parser.add_subparsers(dest="figure", metavar="FIGURE", required=True)
     trajectory = kinds.add_parser("trajectory", help="rank-1 coefficient against the step, fitted line, held-out steps")
     trajectory.add_argument("store", help="the trajectory store the fit was made from")
@@ -25,6 +27,7 @@ def add_arguments(parser):
     rewards.add_argument("--window", type=int, default=None, help="moving-average window in steps (default: a tenth of the run)")
     for sub in (trajectory, variance, accuracy, rewards):
         sub.add_argument("--out", required=True, help="the PNG file to write")
+        add_verbose(sub)
 
 
 def run(args):
