@@ -8,7 +8,7 @@ def add_arguments(parser):
     parser.add_argument("--methods", default="relex,two-point,per-param", help="comma-separated methods to compare")
     parser.add_argument("--out", default=None, help="write the full result as JSON here")
     parser.add_argument("--gram-from", default=None, metavar="FIT", help="reuse the Gram matrices of a fit over all recorded steps (no pass over the store)")
-    add_fit_options(parser)
+    add_fit_options(parser, observe_until_required=True)
 
 
 def run(args):
@@ -17,8 +17,6 @@ def run(args):
     from relex.errors import RelexError
     from relex.store import TrajectoryStore
 
-    if args.observe_until is None:
-        raise RelexError("backtest needs --observe-until S: the last step the fit may see")
     store = TrajectoryStore.open(args.store)
     config = fit_config_from(args)
     until, config.observe_until = config.observe_until, None

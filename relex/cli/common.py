@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import argparse
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 console = Console(stderr=False, highlight=False)
 
 
-def add_fit_options(parser: argparse.ArgumentParser) -> None:
+def add_fit_options(parser: argparse.ArgumentParser, *, observe_until_required: bool = False) -> None:
     group = parser.add_argument_group("fit")
     group.add_argument("--rank", type=int, default=1, help="directions per tensor (default 1)")
     group.add_argument("--temporal", default="linear", help="temporal model: linear (default), poly, robust")
     group.add_argument("--degree", type=int, default=None, help="degree of the poly temporal model (default 2)")
     group.add_argument("--window", type=int, default=None, help="the temporal model sees the last N observed steps (default: all)")
-    group.add_argument("--observe-until", type=int, default=None, help="use only recorded steps ≤ this (default: all)")
+    if observe_until_required:
+        group.add_argument("--observe-until", type=int, required=True, metavar="S", help="the last recorded step the fit may see")
+    else:
+        group.add_argument("--observe-until", type=int, default=None, metavar="S", help="use only recorded steps ≤ this (default: all)")
     group.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     group.add_argument(
         "--io", default="auto", choices=["auto", "direct", "cached"],
@@ -39,13 +44,45 @@ def fit_config_from(args: argparse.Namespace):
     )
 
 
-def table(title: str, columns: list[str], rows: list[list]) -> Table:
-    out = Table(title=title, title_justify="left")
-    for column in columns:
-        out.add_column(column, justify="left" if column == columns[0] else "right")
-    for row in rows:
-        out.add_row(*[fmt(v) for v in row])
-    return out
+def table(title: str, columns: list[str], rows: list[list], caption: str | None = None) -> "WholeTable":
+    """A result table for `console.print`: the title on its own line, cells formatted by `fmt`, never cropped."""
+    return WholeTable(title, columns, [[fmt(v) for v in row] for row in rows], caption)
+
+
+class WholeTable:
+    """A table that is never cut to `st…` and `0.…`: one wider than the output (a pipe is 80 columns) is printed as
+    several, each repeating the first column. The title is a line of its own, so a narrow table does not squeeze it."""
+
+    def __init__(self, title: str, columns: list[str], cells: list[list[str]], caption: str | None = None):
+        self.title, self.columns, self.cells, self.caption = title, columns, cells, caption
+
+    def __rich_console__(self, console, options):
+        yield Text(self.title)
+        widths = [max([cell_len(c)] + [cell_len(row[i]) for row in self.cells]) + 3 for i, c in enumerate(self.columns)]
+        for part in column_groups(widths, options.max_width):
+            yield self._part(part)
+        if self.caption:
+            yield Text(self.caption)
+
+    def _part(self, indices: list[int]) -> Table:
+        out = Table()
+        for i in indices:
+            out.add_column(self.columns[i], justify="left" if i == 0 else "right", no_wrap=True)
+        for row in self.cells:
+            out.add_row(*[row[i] for i in indices])
+        return out
+
+
+def column_groups(widths: list[int], max_width: int) -> list[list[int]]:
+    """Column indices of the tables that fit `max_width` (drawn widths, borders included), each led by column 0."""
+    groups, used = [[0]], widths[0] + 1
+    for i, width in enumerate(widths[1:], start=1):
+        if used + width > max_width and len(groups[-1]) > 1:
+            groups.append([0])
+            used = widths[0] + 1
+        groups[-1].append(i)
+        used += width
+    return groups
 
 
 def fmt(value) -> str:

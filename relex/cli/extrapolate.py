@@ -5,7 +5,11 @@ def add_arguments(parser):
     from relex.cli.common import add_fit_options
 
     parser.add_argument("store", help="a trajectory store")
-    parser.add_argument("--targets", required=True, help="target steps, e.g. 100,200,500")
+    parser.add_argument(
+        "--targets", required=True,
+        help="target steps, e.g. 100,200,500; each is reported with its horizon ratio, target step / last observed step "
+        "(both counted from the base, step 0: 2.0 is twice the observed run, ≤ 1 is interpolation)",
+    )
     parser.add_argument("--out", required=True, help="folder receiving step-<S>/ for each target")
     parser.add_argument("--fit", default=None, help="a FIT folder from relex fit (default: fit now)")
     parser.add_argument("--method", default="relex", help="relex (default), reconstruct, observed, two-point, per-param")
@@ -39,7 +43,11 @@ def run(args):
     fit = FitResult.load(args.fit) if args.fit else None
     reports = extrapolate_store(store, args.out, config, fit)
     rows = [[r.path.name, r.target, r.horizon_ratio, "yes" if r.interpolation else "no", r.delta_norm, r.rounding_loss] for r in reports]
-    console.print(table(f"{args.method} checkpoints in {args.out}", ["folder", "step", "horizon ratio", "interpolation", "‖Δ̂‖", "dtype loss"], rows))
+    last_observed = round(reports[0].target / reports[0].horizon_ratio)
+    console.print(table(
+        f"{args.method} checkpoints in {args.out}", ["folder", "step", "horizon ratio", "interpolation", "‖Δ̂‖", "dtype loss"],
+        rows, caption=f"horizon ratio = step / {last_observed}, the last observed step (both counted from the base)",
+    ))
     for r in reports:
         if r.rounding_loss > 0.01:
             console.print(f"warning: step {r.target}: the output dtype rounds away {100 * r.rounding_loss:.1f}% of the predicted update (‖lost‖/‖Δ̂‖); consider --dtype float32")

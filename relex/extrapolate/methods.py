@@ -47,8 +47,11 @@ class Method:
         """Raise for targets or options this method cannot serve (before any data is read)."""
 
     def horizon_ratio(self, plan: Plan, target: int) -> float:
-        first, last = plan.window_steps[0], plan.window_steps[-1]
-        return float((target - first) / (last - first)) if last > first else float("nan")
+        """How far past the data the target lies, the same for every method: target / last observed step.
+
+        Both are counted from the base (step 0), as RLVR horizons are reported: 2.0 means twice the observed run.
+        """
+        return float(target / plan.steps[-1])
 
     def weights(self, plan: Plan, targets: np.ndarray, fit: TensorFit | None) -> np.ndarray:
         raise NotImplementedError
@@ -114,10 +117,6 @@ class TwoPoint(Method):
         for anchor in (a, b):
             if anchor != 0:
                 plan.index_of(anchor)
-
-    def horizon_ratio(self, plan, target):
-        a, b = self.anchors(plan)
-        return float((target - a) / (b - a))
 
     def weights(self, plan, targets, fit):
         a, b = self.anchors(plan)
