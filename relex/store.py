@@ -7,18 +7,29 @@ A store is a folder:
     STORE/base/                              the base checkpoint, when it was not a folder that outlives the run
 
 A step is either a materialised delta file or a reference to a checkpoint folder left in place (`relex ingest`
-without `--copy`); both read the same. Steps are appended one at a time: the data file is written under a
-temporary name and renamed, then the manifest is replaced atomically, so a step exists once the manifest lists it.
+without `--copy`); both read the same. Referenced folders (and the base) are stored relative to the store, with
+the absolute path beside it, so a run that moves together with its store still reads; `relex ingest --repoint`
+points a store at a run that moved without it.
+
+Writers hold the store's lock (`STORE/.manifest.json.lock`, relex.io.atomic) while they append, so a second writer
+is refused naming the first one's PID. Steps are appended one at a time: the data file is written under a
+temporary name unique to the process and renamed, then the manifest is re-read and replaced whole, so a step
+exists once the manifest lists it and readers always see a consistent store. A store being filled by `relex
+ingest` lists the steps still to come under `pending`; passes over the store (`reader`) refuse it until they are
+written. `truncate` drops the steps after a given one (a resumed training run records them again).
 Reading a tensor across steps is lazy and goes by row blocks, read ahead in a background thread
 (`TrajectoryReader.stream`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
 import queue
+import secrets
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -29,8 +40,9 @@ import torch
 
 from relex import __version__
 from relex.errors import RelexError
+from relex.io.atomic import clean_leftovers, write_json_atomic, write_lock
 from relex.io.checkpoint import CheckpointReader, TensorInfo
-from relex.io.dtypes import dtype_name, from_name
+from relex.io.dtypes import SAFETENSORS_TO_TORCH, dtype_name, from_name
 from relex.io.stream_writer import StreamingSafetensorsWriter
 
 LOG = logging.getLogger(__name__)
@@ -49,20 +61,20 @@ STORE_FORMAT = "relex-trajectory/1"
 class StepEntry:
     step: int
     kind: str  # "delta": a file of deltas in the store; "checkpoint": a checkpoint folder read in place
-    path: str  # relative to the store for deltas, absolute for checkpoints
+    path: str  # relative to the store (older stores: absolute for checkpoints)
     dtype: str  # dtype of the stored values (the delta dtype, or the checkpoint's weights)
     quantization_error: float | None = None  # ‖q(Δ) − Δ‖ / ‖Δ‖ when deltas were stored in a lower precision
     source_dtype: str | None = None  # dtype of the weights the deltas came from
+    absolute: str | None = None  # a checkpoint's absolute path when recorded: read when the relative one is gone
 
 
 def is_store(path: str | Path) -> bool:
     return (Path(path) / MANIFEST_NAME).is_file()
 
 
-def _write_json_atomic(path: Path, payload: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=1) + "\n")
-    os.replace(tmp, path)
+def store_reference(folder: str | Path, store_dir: str | Path) -> str:
+    """How a manifest names a folder outside it: its path relative to the store."""
+    return os.path.relpath(Path(folder).resolve(), Path(store_dir).resolve())
 
 
 class TrajectoryStore:
@@ -82,47 +94,92 @@ class TrajectoryStore:
         tensors: dict[str, TensorInfo],
         tied: dict[str, str] | None = None,
         created_by: dict | None = None,
+        pending: Sequence[int] = (),
     ) -> "TrajectoryStore":
-        """A new empty store referencing `base_dir` (absolute, or relative to the store: `base`)."""
+        """A new empty store referencing `base_dir` (absolute, or relative to the store: `base`).
+
+        `pending`: the steps a writer is about to add (`relex ingest`); passes refuse the store until they are in.
+        """
         path = Path(path)
-        if path.exists() and any(path.iterdir()):
+        if path.exists() and not path.is_dir():
+            raise RelexError(f"{path}: exists and is a file, not a folder")
+        if path.exists() and any(p.name != f".{MANIFEST_NAME}.lock" for p in path.iterdir()):
             raise RelexError(f"{path}: exists and is not empty")
         path.mkdir(parents=True, exist_ok=True)
         base = Path(base_dir)
+        base_ref = {"path": str(base)} if not base.is_absolute() else {"path": store_reference(base, path), "absolute": str(base.resolve())}
         manifest = {
             "format": STORE_FORMAT,
-            "base": {"path": str(base if not base.is_absolute() else base.resolve())},
+            "base": base_ref,
             "tensors": {name: {"shape": list(info.shape), "dtype": dtype_name(info.dtype)} for name, info in sorted(tensors.items())},
             "tied": dict(sorted((tied or {}).items())),
             "created_by": {"relex_version": __version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **(created_by or {})},
             "steps": [],
         }
+        if pending:
+            manifest["pending"] = sorted(pending)
         store = cls(path, manifest)
-        store._save()
+        with store.lock():
+            store._save()
         return store
 
     @classmethod
     def open(cls, path: str | Path) -> "TrajectoryStore":
         path = Path(path)
-        manifest_path = path / MANIFEST_NAME
-        if not manifest_path.is_file():
-            raise RelexError(f"{path}: not a relex trajectory store (no {MANIFEST_NAME})")
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except json.JSONDecodeError as error:
-            raise RelexError(f"{manifest_path}: corrupt manifest ({error})") from None
-        if manifest.get("format") != STORE_FORMAT:
-            raise RelexError(f"{manifest_path}: format {manifest.get('format')!r}, expected {STORE_FORMAT}")
-        return cls(path, manifest)
+        if path.exists() and not path.is_dir():
+            raise RelexError(f"{path}: a file, not a relex trajectory store (a folder with {MANIFEST_NAME})")
+        return cls(path, read_manifest(path))
 
     def _save(self) -> None:
-        _write_json_atomic(self.path / MANIFEST_NAME, self.manifest)
+        write_json_atomic(self.path / MANIFEST_NAME, self.manifest)
+
+    def lock(self):
+        """The store's write lock (re-entrant in this process; another process gets a one-line refusal)."""
+        return write_lock(self.path / MANIFEST_NAME)
+
+    @contextlib.contextmanager
+    def _writing(self):
+        """Hold the lock and work on the manifest as it is on disk now (another writer may have added to it)."""
+        with self.lock():
+            self.manifest = read_manifest(self.path)
+            yield
 
     # ---- what the store holds ---------------------------------------------------------------------------------
     @property
     def base_dir(self) -> Path:
-        base = Path(self.manifest["base"]["path"])
-        return base if base.is_absolute() else self.path / base
+        base = self.manifest["base"]
+        return self._folder(base["path"], base.get("absolute"))
+
+    def checkpoint_dir(self, entry: StepEntry) -> Path:
+        """The folder a referenced step reads (relative to the store, else where it was when ingested)."""
+        return self._folder(entry.path, entry.absolute)
+
+    def _folder(self, path: str, absolute: str | None) -> Path:
+        given = Path(path) if Path(path).is_absolute() else self.path / path
+        if given.is_dir() or absolute is None:
+            return given
+        if Path(absolute).is_dir():
+            return Path(absolute)
+        return given  # gone: readers say so (`missing_reference`)
+
+    def missing_reference(self, folder: Path, what: str) -> RelexError:
+        return RelexError(
+            f"{self.path}: {what} is gone ({folder}: not a folder; moved, or deleted e.g. by save_total_limit); "
+            f"re-point the store with `relex ingest NEW_RUN --base BASE --out {self.path} --repoint`, "
+            "or ingest with --copy so that the store holds its own deltas"
+        )
+
+    @property
+    def pending(self) -> list[int]:
+        """Steps a writer announced and has not written yet (an interrupted `relex ingest`)."""
+        return list(self.manifest.get("pending", []))
+
+    def check_complete(self) -> None:
+        if self.pending:
+            raise RelexError(
+                f"{self.path}: incomplete store: its writer stopped before step{'s' if len(self.pending) > 1 else ''} "
+                f"{_span(self.pending)} (recorded: {_span(self.steps)}); run the same relex ingest command again to finish it"
+            )
 
     @property
     def tensors(self) -> dict[str, TensorInfo]:
@@ -161,7 +218,7 @@ class TrajectoryStore:
         files = set()
         for entry in self.entries:
             if entry.kind == "checkpoint":
-                files.update(CheckpointReader(entry.path).files.values())
+                files.update(CheckpointReader(self.checkpoint_dir(entry)).files.values())
             else:
                 files.add(self.path / entry.path)
         return sum(f.stat().st_size for f in files if f.is_file())
@@ -182,7 +239,7 @@ class TrajectoryStore:
 
     # ---- appending ----------------------------------------------------------------------------------------------
     def _check_new_step(self, step: int) -> None:
-        if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 < step <= MAX_STEP:
             raise RelexError(f"{self.path}: step {step!r} must be a positive integer (the base is step 0)")
         if step in self.steps:
             raise RelexError(f"{self.path}: step {step} is already recorded; refusing to record it twice")
@@ -201,14 +258,27 @@ class TrajectoryStore:
         `dtype` is the stored precision (default float32); when it is lower, the relative quantization error
         ‖q(Δ) − Δ‖/‖Δ‖ is measured and kept in the manifest.
         """
-        self._check_new_step(step)
-        dtype = dtype or torch.float32
+        with self._writing():
+            self._check_new_step(step)
+            relative, quantization = self._write_deltas(step, delta_of, dtype or torch.float32)
+            source = dtype_name(source_dtype) if source_dtype is not None else None
+            entry = StepEntry(step, "delta", str(relative), dtype_name(dtype or torch.float32), quantization, source)
+            self._add(entry)
+        return entry
+
+    def _write_deltas(self, step: int, delta_of: Callable[[str], torch.Tensor], dtype: torch.dtype) -> tuple[Path, float | None]:
+        """Write deltas/step-N.safetensors (under a temporary name, then renamed); returns it and the quantization error."""
         infos = self.tensors
         layout = [(n, TensorInfo(infos[n].shape, dtype)) for n in self.trajectory_names]
         relative = Path("deltas") / f"step-{step:08d}.safetensors"
         final = self.path / relative
         final.parent.mkdir(exist_ok=True)
-        writer = StreamingSafetensorsWriter(final.with_name(f".{final.name}.tmp"), layout, {"format": "pt", "step": str(step)})
+        clean_leftovers(final)
+        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}")
+        try:
+            writer = StreamingSafetensorsWriter(tmp, layout, {"format": "pt", "step": str(step)})
+        except OSError as error:
+            raise RelexError(f"{self.path}: cannot write step {step} ({error.strerror or error})") from None
         error_sq = norm_sq = 0.0
         try:
             for name, info in layout:
@@ -223,31 +293,148 @@ class TrajectoryStore:
                     norm_sq += float(delta.double().pow(2).sum())
                 writer.write(name, stored)
             writer.close()
-        except BaseException:
+            os.replace(writer.path, final)
+        except BaseException as error:
             writer.abort()
+            if isinstance(error, OSError):  # a full disk: one line, and the store as it was
+                raise RelexError(f"{self.path}: step {step} not recorded: {error.strerror or error}") from error
             raise
-        os.replace(writer.path, final)
         quantization = (error_sq / norm_sq) ** 0.5 if norm_sq > 0 else (0.0 if dtype != torch.float32 else None)
-        source = dtype_name(source_dtype) if source_dtype is not None else None
-        entry = StepEntry(step, "delta", str(relative), dtype_name(dtype), quantization, source)
-        self._add(entry)
-        return entry
+        return relative, quantization
 
     def append_checkpoint(self, step: int, folder: str | Path, dtype: torch.dtype) -> StepEntry:
         """Record step `step` as a reference to a checkpoint folder read in place (validated by the caller)."""
-        self._check_new_step(step)
-        entry = StepEntry(step, "checkpoint", str(Path(folder).resolve()), dtype_name(dtype), source_dtype=dtype_name(dtype))
-        self._add(entry)
+        with self._writing():
+            self._check_new_step(step)
+            entry = StepEntry(
+                step, "checkpoint", store_reference(folder, self.path), dtype_name(dtype),
+                source_dtype=dtype_name(dtype), absolute=str(Path(folder).resolve()),
+            )
+            self._add(entry)
         return entry
 
     def _add(self, entry: StepEntry) -> None:
-        self.manifest["steps"].append(asdict(entry))
+        self.manifest["steps"].append({k: v for k, v in asdict(entry).items() if v is not None or k in _ENTRY_REQUIRED})
+        if entry.step in self.pending:
+            self.manifest["pending"] = [s for s in self.pending if s != entry.step]
+            if not self.manifest["pending"]:
+                del self.manifest["pending"]
         self._save()
         LOG.debug("%s: recorded step %d", self.path, entry.step)
 
+    def truncate(self, after: int) -> list[int]:
+        """Drop the recorded steps after step `after` (and their delta files); returns the steps dropped."""
+        with self._writing():
+            dropped = [entry for entry in self.entries if entry.step > after]
+            if not dropped:
+                return []
+            self.manifest["steps"] = [e for e in self.manifest["steps"] if e["step"] <= after]
+            self._save()
+            for entry in dropped:  # after the manifest: a crash here leaves only unlisted files
+                if entry.kind == "delta":
+                    (self.path / entry.path).unlink(missing_ok=True)
+        LOG.warning("%s: dropped recorded step%s %s, after step %d", self.path, "s" if len(dropped) > 1 else "", _span([e.step for e in dropped]), after)
+        return [e.step for e in dropped]
+
+    def repoint(self, folders: dict[int, Path], base: Path | None = None) -> None:
+        """Point referenced steps (step -> folder) and optionally the base at new places (checked by the caller)."""
+        with self._writing():
+            for raw in self.manifest["steps"]:
+                if raw["step"] in folders:
+                    raw["path"] = store_reference(folders[raw["step"]], self.path)
+                    raw["absolute"] = str(Path(folders[raw["step"]]).resolve())
+            if base is not None:
+                self.manifest["base"] = {"path": store_reference(base, self.path), "absolute": str(Path(base).resolve())}
+            self._save()
+
     def reader(self, steps: Sequence[int] | None = None, direct: bool = False) -> "TrajectoryReader":
         """A reader of `steps` (default all); `direct` reads with O_DIRECT, bypassing the page cache."""
+        self.check_complete()
         return TrajectoryReader(self, list(self.steps if steps is None else steps), direct)
+
+
+# ---- the manifest's schema ----------------------------------------------------------------------------------------
+_ENTRY_REQUIRED = ("step", "kind", "path", "dtype")
+_ENTRY_FIELDS = {"step", "kind", "path", "dtype", "quantization_error", "source_dtype", "absolute"}
+_DTYPES = {dtype_name(t) for t in SAFETENSORS_TO_TORCH.values()}
+MAX_STEP = 2**63 - 1
+
+
+def read_manifest(path: Path) -> dict:
+    """The manifest of the store at `path`, checked against its schema (one line naming what is wrong)."""
+    manifest_path = Path(path) / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise RelexError(f"{path}: not a relex trajectory store (no {MANIFEST_NAME})")
+    try:
+        manifest = json.loads(manifest_path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RelexError(f"{manifest_path}: corrupt manifest ({error})") from None
+    except OSError as error:
+        raise RelexError(f"{manifest_path}: cannot read ({error.strerror or error})") from None
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise RelexError(f"{manifest_path}: invalid manifest: {problem}")
+    return manifest
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _manifest_problem(m) -> str | None:
+    if not isinstance(m, dict):
+        return f"a JSON {type(m).__name__}, not an object"
+    if m.get("format") != STORE_FORMAT:
+        return f"format {m.get('format')!r}, expected {STORE_FORMAT}"
+    base = m.get("base")
+    if not isinstance(base, dict) or not isinstance(base.get("path"), str) or not isinstance(base.get("absolute", ""), str):
+        return "base must be an object with a string path"
+    tensors = m.get("tensors")
+    if not isinstance(tensors, dict):
+        return "tensors must be an object"
+    for name, t in tensors.items():
+        if not isinstance(t, dict) or not isinstance(t.get("shape"), list) or not all(_is_int(d) and d >= 0 for d in t["shape"]):
+            return f"tensor {name}: shape must be a list of non-negative integers"
+        if t.get("dtype") not in _DTYPES:
+            return f"tensor {name}: unknown dtype {t.get('dtype')!r}"
+    tied = m.get("tied", {})
+    if not isinstance(tied, dict) or any(not isinstance(v, str) for v in tied.values()):
+        return "tied must map tensor names to tensor names"
+    for alias, canonical in tied.items():
+        if alias not in tensors or canonical not in tensors or canonical in tied or tensors[alias] != tensors[canonical]:
+            return f"tie {alias} -> {canonical}: both must be tensors of one shape and dtype, the second not itself an alias"
+    if not isinstance(m.get("created_by", {}), dict):
+        return "created_by must be an object"
+    return _steps_problem(m.get("steps"), m.get("pending", []))
+
+
+def _steps_problem(steps, pending) -> str | None:
+    if not isinstance(steps, list):
+        return "steps must be a list"
+    previous = 0
+    for raw in steps:
+        if not isinstance(raw, dict) or not set(_ENTRY_REQUIRED) <= set(raw) or not set(raw) <= _ENTRY_FIELDS:
+            return f"step entry {str(raw)[:80]}: needs {', '.join(_ENTRY_REQUIRED)} and nothing unknown"
+        step = raw["step"]
+        if not _is_int(step) or not 0 < step <= MAX_STEP:
+            return f"step {step!r}: steps are positive integers"
+        if step <= previous:
+            return f"step {step} after step {previous}: steps must increase, each once"
+        previous = step
+        if raw["kind"] not in ("delta", "checkpoint"):
+            return f"step {step}: kind {raw['kind']!r}, expected delta or checkpoint"
+        if not isinstance(raw["path"], str) or not isinstance(raw.get("absolute") or "", str):
+            return f"step {step}: path must be a string"
+        if raw["kind"] == "delta" and (Path(raw["path"]).is_absolute() or ".." in Path(raw["path"]).parts):
+            return f"step {step}: a delta file must lie inside the store, not at {raw['path']}"
+        if raw["dtype"] not in _DTYPES or raw.get("source_dtype") not in (None, *_DTYPES):
+            return f"step {step}: unknown dtype {raw['dtype']!r} or source dtype {raw.get('source_dtype')!r}"
+        error = raw.get("quantization_error")
+        if error is not None and (not isinstance(error, (int, float)) or isinstance(error, bool) or not math.isfinite(error) or error < 0):
+            return f"step {step}: quantization_error {error!r} is not a number ≥ 0"
+    if not isinstance(pending, list) or not all(_is_int(s) and 0 < s <= MAX_STEP for s in pending):
+        return "pending must be a list of positive step numbers"
+    return None
 
 
 def memory_available() -> int | None:
@@ -291,12 +478,17 @@ class TrajectoryReader:
         self.direct = direct
         self.entries = [store.entry(s) for s in steps]
         self.infos = store.tensors
+        if not store.base_dir.is_dir():
+            raise store.missing_reference(store.base_dir, "the base checkpoint")
         self.base = CheckpointReader(store.base_dir)
         self._sources = [self._open(entry) for entry in self.entries]  # one reader per step, files kept open
 
     def _open(self, entry: StepEntry) -> CheckpointReader:
         if entry.kind == "checkpoint":
-            return CheckpointReader(entry.path, self.direct)
+            folder = self.store.checkpoint_dir(entry)
+            if not folder.is_dir():
+                raise self.store.missing_reference(folder, f"the checkpoint of step {entry.step}")
+            return CheckpointReader(folder, self.direct)
         return CheckpointReader.from_file(self.store.path / entry.path, self.direct)
 
     # ---- which rows ------------------------------------------------------------------------------------------------

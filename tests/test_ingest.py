@@ -42,7 +42,7 @@ def test_layouts(tmp_path, layout, tied, shards):
     assert all(e.kind == "checkpoint" for e in store.entries)
     name = "model.layers.0.self_attn.q_proj.weight"
     reader = store.reader()
-    folder = CheckpointReader(store.entries[1].path).folder
+    folder = store.checkpoint_dir(store.entries[1])
     torch.testing.assert_close(reader.read(name)[1], real_delta(base, folder, name).reshape(-1))
     assert cli("extrapolate", tmp_path / "store", "--targets", "12", "--out", tmp_path / "out") == 0
     assert (tmp_path / "out" / "step-12" / "config.json").is_file()
