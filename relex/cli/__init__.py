@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from relex import __version__
@@ -53,6 +54,34 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+class OnceFilter(logging.Filter):
+    """Lets each distinct warning through once: a message repeated on every call says nothing new."""
+
+    def __init__(self):
+        super().__init__()
+        self._seen: set[tuple] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        key = (record.name, record.levelno, record.getMessage())
+        if key in self._seen:
+            return False
+        self._seen.add(key)
+        return True
+
+
+def quiet_when_piped() -> None:
+    """No progress bars when stderr is not a terminal, so piped logs and CI output get no `\r` frames.
+
+    tqdm reads TQDM_* defaults when it is first imported, which the subcommands do lazily, after this; it reaches
+    the bars of transformers, TRL and huggingface_hub as well as relex's own.
+    """
+    if not sys.stderr.isatty():
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
@@ -66,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
             level=logging.DEBUG if args.verbose else logging.INFO,
             format="%(levelname)s %(name)s: %(message)s",
         )
+        for handler in logging.getLogger().handlers:
+            if not any(isinstance(f, OnceFilter) for f in handler.filters):
+                handler.addFilter(OnceFilter())
+        quiet_when_piped()
         result = _load(args.command).run(args)
     except RelexError as error:
         print(f"relex {command or ''}: error: {error}".replace("  ", " "), file=sys.stderr)

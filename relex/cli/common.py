@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-console = Console(stderr=False, highlight=False)
+console = Console(stderr=False, highlight=False, soft_wrap=True)  # a message stays one line in a pipe
 
 
 def add_fit_options(parser: argparse.ArgumentParser, *, observe_until_required: bool = False) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -115,7 +116,8 @@ class TransformersGenerator:
         torch.manual_seed(seed)
         batches = _batches(order, max(1, self.batch_size // samples))
         mode = "greedy" if temperature == 0 else f"{samples} samples at T={temperature}"
-        for batch in tqdm(batches, desc=f"generating ({mode})", unit="batch", leave=False):
+        # disable=None: no bar when stderr is not a terminal, so piped logs get no `\r` frames
+        for batch in tqdm(batches, desc=f"generating ({mode})", unit="batch", leave=False, disable=None):
             for index, completions in zip(batch, self._generate_batch([texts[i] for i in batch], samples, temperature)):
                 results[index] = completions
         return results
@@ -191,7 +193,7 @@ class VLLMGenerator:
             self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             for messages in prompts
         ]
-        outputs = self.llm.generate(texts, params, use_tqdm=True)
+        outputs = self.llm.generate(texts, params, use_tqdm=sys.stderr.isatty())
         return [[self._completion(o) for o in output.outputs] for output in outputs]
 
     def _completion(self, output) -> Completion:
