@@ -39,7 +39,7 @@ from transformers import TrainerCallback
 from relex.errors import RelexError
 from relex.io.checkpoint import CheckpointReader, TensorInfo
 from relex.io.dtypes import dtype_name, parse_dtype
-from relex.io.hf_folder import HFFolderWriter
+from relex.io.hf_folder import HFFolderWriter, make_inference_ready
 from relex.store import TrajectoryStore, is_store
 
 LOG = logging.getLogger(__name__)
@@ -404,4 +404,7 @@ def save_base(model, live: dict[str, torch.Tensor], out_dir: Path, processing_cl
     for part in (getattr(model, "config", None), getattr(model, "generation_config", None), processing_class):
         if part is not None and hasattr(part, "save_pretrained"):
             part.save_pretrained(out_dir)
+    # config.save_pretrained alone writes no `architectures` (the model's own save_pretrained adds it), and training
+    # leaves `use_cache: false`; every folder relex writes, θ₀ included, is ready for inference
+    make_inference_ready(out_dir, getattr(model, "dtype", None), architecture=type(model).__name__.removeprefix("FSDP"))
     return out_dir

@@ -28,7 +28,7 @@ from relex.fit.gram import resolve_device
 from relex.fit.trajectory_fit import TensorFit, fit_tensor
 from relex.io.checkpoint import CheckpointReader, TensorInfo
 from relex.io.dtypes import dtype_name, parse_dtype
-from relex.io.hf_folder import HFFolderWriter, parse_size
+from relex.io.hf_folder import HFFolderWriter, model_order, parse_size
 from relex.store import Block, TrajectoryStore
 
 LOG = logging.getLogger(__name__)
@@ -72,12 +72,15 @@ def parse_targets(text: str) -> list[int]:
     return targets
 
 
-def output_layout(base: dict[str, TensorInfo], tied: dict[str, str], dtype: torch.dtype | None) -> list[tuple[str, TensorInfo]]:
-    """Base tensors in output order: tied aliases after the tensor they share, float tensors in `dtype`."""
+def output_layout(
+    base: dict[str, TensorInfo], tied: dict[str, str], dtype: torch.dtype | None, config_dir: Path | None = None
+) -> list[tuple[str, TensorInfo]]:
+    """Base tensors in output order: the model's (as save_pretrained writes them), tied aliases after the tensor they
+    share, float tensors in `dtype`."""
     def out_info(info: TensorInfo) -> TensorInfo:
         return TensorInfo(info.shape, dtype) if dtype is not None and info.is_float else info
 
-    names = sorted(base, key=lambda n: (n in tied, n))
+    names = sorted(model_order(list(base), config_dir), key=lambda n: n in tied)  # stable: model order otherwise
     return [(name, out_info(base[name])) for name in names]
 
 
@@ -100,7 +103,7 @@ class _Pass:
         self.out_dtype = parse_dtype(config.dtype) if config.dtype else None
         # the manifest's views, computed once: the pass consults them for every tensor
         self.infos, self.tied, self.trajectory = store.tensors, store.tied, set(store.trajectory_names)
-        self.layout = output_layout(self.base.infos(), self.tied, self.out_dtype)
+        self.layout = output_layout(self.base.infos(), self.tied, self.out_dtype, store.base_dir)
         self.reader = store.reader(steps, direct=store.reads_direct(config.fit.io))
         self.grams: dict[str, np.ndarray] = {}
         self.reports = [self._report(t) for t in config.targets]

@@ -1,14 +1,22 @@
 """Write a Hugging Face model folder the way transformers writes one, streaming tensor by tensor.
 
 Layout: size-bounded shards `model-0000i-of-0000N.safetensors` (or `model.safetensors` when one shard holds
-everything), `model.safetensors.index.json` with `total_size` when sharded, `config.json` with the output dtype,
-the tokenizer and generation config copied from the base, and `relex.json` saying how the folder was made.
-Everything goes to a hidden temporary folder that is renamed into place only when complete.
+everything), `model.safetensors.index.json` with `total_size` and `total_parameters` when sharded, `config.json`
+with the output dtype and the architecture, the tokenizer and generation config copied from the base, and
+`relex.json` saying how the folder was made. Everything goes to a hidden temporary folder that is renamed into place
+only when complete.
+
+The shards are the ones `save_pretrained(max_shard_size=...)` writes: tensors in the order of the model's
+`state_dict()` (`model_order`), split as huggingface_hub's `split_torch_state_dict_into_shards` splits them
+(`plan_shards`), so tools that compare folders, or read shard by shard, see what transformers would have written.
+The config is made ready for inference (`make_inference_ready`): training leaves `use_cache: false` behind, and a
+config saved on its own (not by the model's `save_pretrained`) lacks `architectures`, which vLLM and mergekit need.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -21,6 +29,8 @@ from relex.errors import RelexError
 from relex.io.checkpoint import INDEX_NAME, SINGLE_NAME, TensorInfo
 from relex.io.dtypes import dtype_name
 from relex.io.stream_writer import StreamingSafetensorsWriter, tensor_bytes
+
+LOG = logging.getLogger(__name__)
 
 # files of a base folder that describe the model or its tokenizer (weights are never copied)
 COPIED_PATTERNS = (
@@ -48,17 +58,64 @@ def parse_size(text: str | int) -> int:
 
 
 def plan_shards(layout: Sequence[tuple[str, TensorInfo]], max_shard_bytes: int) -> list[list[tuple[str, TensorInfo]]]:
-    """Split the ordered layout into consecutive shards of at most `max_shard_bytes` (a larger tensor stands alone)."""
-    shards: list[list[tuple[str, TensorInfo]]] = [[]]
+    """Split the ordered layout into shards of at most `max_shard_bytes`, as huggingface_hub splits a state dict.
+
+    Tensors fill the current shard in order until the next would overflow it; a tensor larger than the limit gets
+    a shard of its own at once, placed before the shard still being filled (`split_state_dict_into_shards_factory`).
+    """
+    shards: list[list[tuple[str, TensorInfo]]] = []
+    current: list[tuple[str, TensorInfo]] = []
     size = 0
     for name, info in layout:
         nbytes = tensor_bytes(info)
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, info))
+        if nbytes > max_shard_bytes:
+            shards.append([(name, info)])
+            continue
+        if size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append((name, info))
         size += nbytes
+    if current or not shards:
+        shards.append(current)
     return shards
+
+
+def model_order(names: Sequence[str], config_dir: str | Path | None) -> list[str]:
+    """`names` in the order of the model's `state_dict()`, the order `save_pretrained` writes and shards them.
+
+    The order comes from the model class built on the meta device from `config_dir`'s config.json (no memory, no
+    weights). Names the model does not have, or every name when no model can be built from the config, follow in
+    natural order (layers.2 before layers.10).
+    """
+    known = {name: i for i, name in enumerate(state_dict_order(config_dir))} if config_dir is not None else {}
+    return sorted(names, key=lambda name: (name not in known, known.get(name, 0), natural_key(name)))
+
+
+def natural_key(name: str) -> tuple:
+    """`model.layers.10.mlp` sorts after `model.layers.2.mlp`: digit runs compare as numbers."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+
+
+def state_dict_order(config_dir: str | Path) -> list[str]:
+    """The state_dict names, in order, of the causal LM that `config_dir`'s config.json describes; [] when unknown."""
+    config_path = Path(config_dir) / "config.json"
+    if not config_path.is_file():
+        return []
+    try:
+        import transformers
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(config_path.parent)
+        architecture = (getattr(config, "architectures", None) or [None])[0]
+        model_class = getattr(transformers, architecture, None) if architecture else None
+        with torch.device("meta"):
+            model = model_class(config) if model_class is not None else AutoModelForCausalLM.from_config(config)
+        return list(model.state_dict())
+    except (ImportError, OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as error:
+        # the folder is still written, only in natural order; say why, since shards then differ from transformers'
+        LOG.info("%s: tensors in natural order of their names (no model could be built from its config: %s)", config_dir, error)
+        return []
 
 
 def shard_names(count: int) -> list[str]:
@@ -74,14 +131,45 @@ def copy_model_files(base_dir: Path, out_dir: Path) -> None:
                 shutil.copy2(source, out_dir / source.name)
 
 
-def set_config_dtype(config_path: Path, dtype: torch.dtype) -> None:
-    if not config_path.is_file():
-        return
-    config = json.loads(config_path.read_text())
-    config["dtype"] = dtype_name(dtype)
-    if "torch_dtype" in config:
-        config["torch_dtype"] = dtype_name(dtype)
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+def make_inference_ready(folder: Path, dtype: torch.dtype | None = None, architecture: str | None = None) -> None:
+    """Edit `folder`'s config.json and generation_config.json into what loaders and inference engines expect.
+
+    config.json gets the output dtype, `architectures` (`architecture`, else the one it names, else the causal-LM
+    class transformers maps its `model_type` to) and no `use_cache: false`; generation_config.json loses
+    `use_cache: false` too (training turns the KV cache off; generation wants it).
+    """
+    config_path = folder / "config.json"
+    if config_path.is_file():
+        config = json.loads(config_path.read_text())
+        if dtype is not None:
+            config["dtype"] = dtype_name(dtype)
+            if "torch_dtype" in config:
+                config["torch_dtype"] = dtype_name(dtype)
+        architecture = architecture or (None if config.get("architectures") else causal_lm_class(config, config_path))
+        if architecture is not None:
+            config["architectures"] = [architecture]
+        if config.get("use_cache") is False:
+            config["use_cache"] = True
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    generation_path = folder / "generation_config.json"
+    if generation_path.is_file():
+        generation = json.loads(generation_path.read_text())
+        if generation.get("use_cache") is False:
+            del generation["use_cache"]
+            generation_path.write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+
+
+def causal_lm_class(config: dict, where: Path) -> str | None:
+    """The causal-LM class transformers builds for `config`'s `model_type` (what `AutoModelForCausalLM` picks)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type"))
+    if name is None:
+        LOG.warning(
+            "%s: no `architectures`, and model_type %r has no causal-LM class in transformers; vLLM and mergekit "
+            "need one: add \"architectures\": [\"<ModelClass>\"] to the base's config.json", where, config.get("model_type"),
+        )
+    return name
 
 
 class HFFolderWriter:
@@ -103,6 +191,7 @@ class HFFolderWriter:
         self.shards = plan_shards(layout, max_shard_bytes)
         self.names = shard_names(len(self.shards))
         self.total_size = sum(tensor_bytes(info) for _, info in layout)
+        self.total_parameters = sum(info.numel for _, info in layout)  # transformers' num_parameters()
         self._writer: StreamingSafetensorsWriter | None = None
         self._shard = -1
 
@@ -125,12 +214,12 @@ class HFFolderWriter:
         self._writer.close()
         if len(self.shards) > 1:
             weight_map = {name: file for file, shard in zip(self.names, self.shards) for name, _ in shard}
-            index = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
+            metadata = {"total_parameters": self.total_parameters, "total_size": self.total_size}
+            index = {"metadata": metadata, "weight_map": weight_map}
             (self.tmp_dir / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         if self.base_dir is not None:
             copy_model_files(self.base_dir, self.tmp_dir)
-        if out_dtype is not None:
-            set_config_dtype(self.tmp_dir / "config.json", out_dtype)
+        make_inference_ready(self.tmp_dir, out_dtype)
         (self.tmp_dir / "relex.json").write_text(json.dumps(provenance, indent=2, default=str) + "\n")
         if self.out_dir.exists():
             shutil.rmtree(self.out_dir)
