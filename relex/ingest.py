@@ -7,13 +7,19 @@ Layouts recognised (step numbers come from the layout or from the user, never fr
 
 By default the store references the checkpoints in place, after validating every tensor's name, shape and
 dtype against the base and scanning the values for NaN/Inf; `--copy` writes the deltas into the store instead.
+Tied tensors come from the model's architecture as its config.json declares it (`tie_word_embeddings`), never
+from values that happen to be equal.
+
+The store is written under a temporary name beside OUT and renamed into place when complete (relex.io.atomic),
+holding OUT's lock throughout. A run of the same command after an interrupted one (killed, power lost) continues
+the steps the first one wrote. `--repoint` points an existing store at a run that moved.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,13 +27,14 @@ import torch
 from tqdm.auto import tqdm
 
 from relex.errors import RelexError
-from relex.io.checkpoint import CheckpointReader, TensorInfo, weight_files
-from relex.io.dtypes import parse_dtype
-from relex.store import TrajectoryStore
+from relex.io.atomic import atomic_output, check_output, write_lock
+from relex.io.checkpoint import CheckpointReader, TensorInfo, read_config, weight_files
+from relex.io.dtypes import dtype_name, parse_dtype
+from relex.store import MANIFEST_NAME, MAX_STEP, TrajectoryStore, is_store
 
 LOG = logging.getLogger(__name__)
 
-_TRAINER = re.compile(r"checkpoint-(\d+)")
+_TRAINER = re.compile(r"checkpoint-(\d+)")  # any digits here; non-ASCII ones are refused by step_number
 _VERL = re.compile(r"global_step_(\d+)")
 VERL_MODEL_DIRS = ("actor/huggingface", "huggingface")
 
@@ -44,6 +51,7 @@ def resolve_base(base: str) -> Path:
     path = Path(base)
     if path.exists():
         weight_files(path)
+        read_config(path)  # a broken config.json fails here, not after the whole computation
         return path.resolve()
     if re.fullmatch(r"[\w.-]+/[\w.-]+", base):
         from huggingface_hub import snapshot_download  # a hub id: users with the network
@@ -67,10 +75,19 @@ def _verl_model_dir(folder: Path) -> Path:
 
 def _classify(folder: Path) -> Checkpoint | None:
     if match := _TRAINER.fullmatch(folder.name):
-        return Checkpoint(int(match.group(1)), folder, "hf-trainer")
+        return Checkpoint(step_number(match.group(1), folder), folder, "hf-trainer")
     if match := _VERL.fullmatch(folder.name):
-        return Checkpoint(int(match.group(1)), _verl_model_dir(folder), "verl")
+        return Checkpoint(step_number(match.group(1), folder), _verl_model_dir(folder), "verl")
     return None
+
+
+def step_number(digits: str, where) -> int:
+    """The step a folder name or option gives: ASCII digits within int64, or a one-line refusal naming it."""
+    if not digits.isascii() or not digits.isdigit():
+        raise RelexError(f"{where}: step number {digits!r} is not written in the digits 0-9")
+    if len(digits) > 19 or int(digits) > MAX_STEP:
+        raise RelexError(f"{where}: step number {digits[:25]}{'…' if len(digits) > 25 else ''} is too large (at most {MAX_STEP})")
+    return int(digits)
 
 
 def discover_checkpoints(paths: list[str | Path], steps: list[int] | None = None) -> list[Checkpoint]:
@@ -114,10 +131,10 @@ def check_steps(steps: list[int]) -> None:
 def parse_steps(text: str | None) -> list[int] | None:
     if text is None:
         return None
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise RelexError(f"cannot read --steps {text!r}; give step numbers like 10,20,40") from None
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not all(part.isascii() and part.isdigit() for part in parts):
+        raise RelexError(f"cannot read --steps {text!r}; give step numbers like 10,20,40")
+    return [step_number(part, "--steps") for part in parts]
 
 
 def validate_checkpoint(base: dict[str, TensorInfo], checkpoint: Checkpoint, reader: CheckpointReader) -> dict[str, TensorInfo]:
@@ -136,21 +153,33 @@ def validate_checkpoint(base: dict[str, TensorInfo], checkpoint: Checkpoint, rea
     return infos
 
 
-def tied_candidates(base: CheckpointReader, infos: dict[str, TensorInfo]) -> dict[str, str]:
-    """alias -> canonical for float tensors that are bitwise equal at the base (confirmed at every step later)."""
-    groups: dict[tuple, list[str]] = {}
-    for name, info in infos.items():
-        if info.is_float:
-            groups.setdefault((info.shape, info.dtype), []).append(name)
-    tied: dict[str, str] = {}
+def declared_ties(base_dir: Path, infos: dict[str, TensorInfo]) -> dict[str, str]:
+    """alias -> canonical for the tensors the model's architecture ties (config.json), both stored in the checkpoint.
+
+    The model is built from its config on the meta device (no memory, no weights): parameters it shares under
+    several names are the ties. A checkpoint that stores only one of the names needs no tie. Without a config
+    transformers can build, nothing is tied: each stored tensor then has its own trajectory, which is exact.
+    """
+    config = read_config(base_dir)
+    if not config or not config.get("tie_word_embeddings", True):
+        return {}
+    try:
+        import transformers
+
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(base_dir))
+    except Exception as error:  # an architecture this transformers does not know: ties cannot be read from it
+        LOG.warning("%s: cannot build the model from config.json (%s); no tensors are treated as tied", base_dir, str(error)[:200])
+        return {}
+    groups: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(parameter), []).append(name)
+    tied = {}
     for names in groups.values():
-        for i, canonical in enumerate(names):
-            if canonical in tied:
-                continue
-            value = base.read(canonical)
-            for alias in names[i + 1 :]:
-                if alias not in tied and torch.equal(value, base.read(alias)):
-                    tied[alias] = canonical
+        stored = [n for n in names if n in infos and infos[n].is_float]
+        for alias in stored[1:]:
+            if infos[alias] == infos[stored[0]]:
+                tied[alias] = stored[0]
     return tied
 
 
@@ -162,6 +191,7 @@ def scan_step(base: CheckpointReader, reader: CheckpointReader, checkpoint: Chec
             raise RelexError(f"{checkpoint.folder} (step {checkpoint.step}): tensor {name} has NaN or Inf values")
     for alias, canonical in list(tied.items()):
         if not torch.equal(reader.read(alias), reader.read(canonical)):
+            LOG.warning("%s (step %d): %s and %s are tied in the config but differ; recording both", checkpoint.folder, checkpoint.step, alias, canonical)
             del tied[alias]
 
 
@@ -174,46 +204,109 @@ def ingest(
     copy: bool = False,
     delta_dtype: str | None = None,
     overwrite: bool = False,
+    repoint: bool = False,
 ) -> TrajectoryStore:
+    """Make the store `out` from the checkpoints under `paths` (or, with `repoint`, point `out` at them)."""
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise RelexError(f"{out}: exists; pass --overwrite to replace it")
+    if repoint:
+        return repoint_store(paths, base, out, steps)
     checkpoints = discover_checkpoints(paths, steps)
     base_dir = resolve_base(base)
-    base_reader = CheckpointReader(base_dir)
-    base_infos = base_reader.infos()
-    readers = []
-    for checkpoint in checkpoints:
-        reader = CheckpointReader(checkpoint.folder)
-        readers.append((checkpoint, reader, validate_checkpoint(base_infos, checkpoint, reader)))
+    inputs = [*paths, *(c.folder for c in checkpoints), base_dir]
+    check_output(out, overwrite=overwrite, inputs=inputs)
     stored_dtype = parse_dtype(delta_dtype) if delta_dtype else None
     if stored_dtype is not None and not copy:
         raise RelexError("--delta-dtype applies to copied deltas; add --copy")
-    tied = tied_candidates(base_reader, base_infos)
-    for checkpoint, reader, _ in tqdm(readers, desc="ingest: checking values", unit="step", leave=False):
-        scan_step(base_reader, reader, checkpoint, sorted(base_infos), tied)
-    if out.exists():
-        shutil.rmtree(out)
-    created_by = {
-        "command": "relex ingest",
-        "layout": sorted({c.layout for c in checkpoints}),
-        "mode": "copy" if copy else "reference",
-        "sources": {str(c.step): str(c.folder.resolve()) for c in checkpoints},
-    }
-    store = TrajectoryStore.create(out, base_dir=base_dir, tensors=base_infos, tied=tied, created_by=created_by)
-    try:
-        for checkpoint, reader, infos in tqdm(readers, desc="ingest: recording", unit="step", leave=False):
-            source_dtype = _dominant_dtype(infos)
-            if copy:
-                entry = store.append_deltas(checkpoint.step, _delta_reader(base_reader, reader), stored_dtype, source_dtype)
+    with write_lock(out), _store_lock_if_store(out):
+        base_reader = CheckpointReader(base_dir)
+        base_infos = base_reader.infos()
+        readers = []
+        for checkpoint in checkpoints:
+            reader = CheckpointReader(checkpoint.folder)
+            readers.append((checkpoint, reader, validate_checkpoint(base_infos, checkpoint, reader)))
+        tied = declared_ties(base_dir, base_infos)
+        for checkpoint, reader, _ in tqdm(readers, desc="ingest: checking values", unit="step", leave=False):
+            scan_step(base_reader, reader, checkpoint, sorted(base_infos), tied)
+        created_by = {
+            "command": "relex ingest",
+            "layout": sorted({c.layout for c in checkpoints}),
+            "mode": "copy" if copy else "reference",
+            "delta_dtype": dtype_name(stored_dtype) if stored_dtype is not None else None,
+            "sources": {str(c.step): str(c.folder.resolve()) for c in checkpoints},
+        }
+        resumable = _resumable(created_by, base_dir, base_infos, tied)
+        with atomic_output(out, overwrite=overwrite, inputs=inputs, adopt=resumable) as tmp:
+            if is_store(tmp):
+                store = TrajectoryStore.open(tmp)
             else:
-                entry = store.append_checkpoint(checkpoint.step, checkpoint.folder, source_dtype)
-            LOG.debug("step %d: %s", entry.step, entry.kind)
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
-        raise
-    return store
+                store = TrajectoryStore.create(
+                    tmp, base_dir=base_dir, tensors=base_infos, tied=tied, created_by=created_by,
+                    pending=[c.step for c in checkpoints],
+                )
+            with store.lock():
+                _record(store, base_reader, readers, copy, stored_dtype)
+    return TrajectoryStore.open(out)
+
+
+def _store_lock_if_store(out: Path):
+    """The lock of a store about to be replaced, so that nobody is appending to it meanwhile."""
+    return write_lock(out / MANIFEST_NAME) if is_store(out) else contextlib.nullcontext()
+
+
+def _record(store: TrajectoryStore, base_reader: CheckpointReader, readers: list, copy: bool, stored_dtype) -> None:
+    todo = [(c, r, i) for c, r, i in readers if c.step not in store.steps]
+    for checkpoint, reader, infos in tqdm(todo, desc="ingest: recording", unit="step", leave=False):
+        source_dtype = _dominant_dtype(infos)
+        if copy:
+            entry = store.append_deltas(checkpoint.step, _delta_reader(base_reader, reader), stored_dtype, source_dtype)
+        else:
+            entry = store.append_checkpoint(checkpoint.step, checkpoint.folder, source_dtype)
+        LOG.debug("step %d: %s", entry.step, entry.kind)
+
+
+_SAME_RUN_KEYS = ("command", "layout", "mode", "delta_dtype", "sources")
+
+
+def _resumable(created_by: dict, base_dir: Path, infos: dict[str, TensorInfo], tied: dict[str, str]):
+    """Whether the temporary store an interrupted ingest left is this same ingest, so it can be continued."""
+    def same(path: Path) -> bool:
+        try:
+            store = TrajectoryStore.open(path)
+        except RelexError:
+            return False
+        made = store.manifest.get("created_by", {})
+        return (
+            all(made.get(key) == created_by[key] for key in _SAME_RUN_KEYS)
+            and store.manifest["base"].get("absolute") == str(base_dir)
+            and store.tensors == infos
+            and store.tied == tied
+            and set(store.steps) <= {int(s) for s in created_by["sources"]}
+        )
+
+    return same
+
+
+def repoint_store(paths: list[str | Path], base: str, out: Path, steps: list[int] | None = None) -> TrajectoryStore:
+    """Point the referenced steps of the store `out` (and its base) at the same checkpoints in a new place."""
+    store = TrajectoryStore.open(out)
+    checkpoints = {c.step: c for c in discover_checkpoints(paths, steps)}
+    referenced = [e for e in store.entries if e.kind == "checkpoint"]
+    missing = [e.step for e in referenced if e.step not in checkpoints]
+    if missing:
+        raise RelexError(f"{out}: references step{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}, not found under {', '.join(map(str, paths))}")
+    base_dir = resolve_base(base)
+    expected = store.tensors
+    base_infos = CheckpointReader(base_dir).infos()
+    if base_infos != expected:
+        differing = sorted(set(base_infos) ^ set(expected)) or [n for n in expected if base_infos[n] != expected[n]]
+        raise RelexError(f"base {base_dir}: tensor {differing[0]} is not as in the store {out}; this is another model")
+    for entry in referenced:
+        checkpoint = checkpoints[entry.step]
+        validate_checkpoint(expected, checkpoint, CheckpointReader(checkpoint.folder))
+    with store.lock():
+        store.repoint({e.step: checkpoints[e.step].folder for e in referenced}, base_dir)
+    LOG.info("%s: %d referenced steps and the base re-pointed", out, len(referenced))
+    return TrajectoryStore.open(out)
 
 
 def _delta_reader(base: CheckpointReader, reader: CheckpointReader):

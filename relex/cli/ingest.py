@@ -8,7 +8,14 @@ def add_arguments(parser):
     parser.add_argument("--steps", default=None, help="step numbers of plain folders, e.g. 10,20,40")
     parser.add_argument("--copy", action="store_true", help="write the deltas into the store instead of referencing the checkpoints")
     parser.add_argument("--delta-dtype", default=None, help="with --copy: store deltas as bf16 or fp16 (default: lossless float32)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing store")
+    parser.add_argument(
+        "--overwrite", action="store_true",
+        help="replace an existing store once the new one is complete (never an input: the run, a checkpoint or the base)",
+    )
+    parser.add_argument(
+        "--repoint", action="store_true",
+        help="point the existing store --out at the same checkpoints in a new place (a run folder that moved)",
+    )
 
 
 def run(args):
@@ -17,8 +24,11 @@ def run(args):
 
     store = ingest(
         args.checkpoints, args.base, args.out, steps=parse_steps(args.steps), copy=args.copy,
-        delta_dtype=args.delta_dtype, overwrite=args.overwrite,
+        delta_dtype=args.delta_dtype, overwrite=args.overwrite, repoint=args.repoint,
     )
+    if args.repoint:
+        console.print(f"store {store.path}: re-pointed at {', '.join(map(str, args.checkpoints))} (base {store.base_dir})")
+        return
     entries = store.entries
     console.print(
         f"store {store.path}: {len(entries)} steps ({', '.join(str(e.step) for e in entries)}), "

@@ -45,11 +45,7 @@ def weight_files(folder: Path) -> dict[str, Path]:
         raise RelexError(f"{folder}: not a folder")
     index = folder / INDEX_NAME
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as error:
-            raise RelexError(f"{index}: not a safetensors index ({error})") from None
-        return {name: folder / file for name, file in weight_map.items()}
+        return {name: folder / file for name, file in read_weight_map(index).items()}
     single = folder / SINGLE_NAME
     if single.is_file():
         return {name: single for name in _header_names(single)}
@@ -59,6 +55,46 @@ def weight_files(folder: Path) -> dict[str, Path]:
             "convert them to safetensors first (e.g. load and save_pretrained(safe_serialization=True))"
         )
     raise RelexError(f"{folder}: no {SINGLE_NAME} or {INDEX_NAME}; not a safetensors checkpoint")
+
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    """The index's `weight_map` (tensor name -> shard file name), every file a `.safetensors` inside the folder."""
+    try:
+        payload = json.loads(index.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
+        raise RelexError(f"{index}: not a safetensors index (not JSON: {str(error)[:100]})") from None
+    if not isinstance(payload, dict) or not isinstance(payload.get("weight_map"), dict):
+        raise RelexError(f"{index}: not a safetensors index (no weight_map object)")
+    weight_map = payload["weight_map"]
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not _plain_file_name(file):
+            shown = repr(file) if len(repr(file)) <= 60 else repr(file)[:57] + "..."
+            raise RelexError(
+                f"{index}: tensor {name[:80]} maps to {shown}; shards must be .safetensors files inside the folder"
+            )
+    return weight_map
+
+
+def _plain_file_name(file: str) -> bool:
+    path = Path(file)
+    return (
+        bool(file) and not path.is_absolute() and ".." not in path.parts and "\\" not in file
+        and file.endswith(".safetensors") and file.isprintable()
+    )
+
+
+def read_config(folder: str | Path) -> dict | None:
+    """The folder's config.json as a dict (None when there is none); anything but a JSON object is refused."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
+        raise RelexError(f"{path}: not valid JSON ({str(error)[:100]}); fix or replace the model's config.json") from None
+    if not isinstance(config, dict):
+        raise RelexError(f"{path}: a JSON {type(config).__name__}, not an object; fix or replace the model's config.json")
+    return config
 
 
 def _header_names(path: Path) -> list[str]:

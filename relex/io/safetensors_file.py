@@ -10,6 +10,7 @@ fails at once, naming itself.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -25,6 +26,25 @@ MAX_HEADER_BYTES = 100 * 2**20
 DIRECT_ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffer addresses aligned to the device's block size
 DIRECT_PIECE = 8 * 2**20  # bytes per direct read
 _bounce = threading.local()  # one page-aligned buffer per thread for direct reads
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _shown(value) -> str:
+    """A value from an untrusted header, short and printable, for a message."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"tensor {_shown(key)} is listed twice")
+        out[key] = value
+    return out
 
 
 def _bounce_buffer(size: int) -> mmap.mmap:
@@ -62,24 +82,56 @@ class SafetensorsFile:
         return RelexError(f"{self.path}: corrupt or truncated safetensors file ({why})")
 
     def _read_header(self) -> tuple[dict, int]:
+        """The header, checked as the safetensors format demands before anything is allocated or read."""
         if self.size < 8:
             raise self._fail(f"{self.size} bytes")
         (length,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
         if length > min(MAX_HEADER_BYTES, self.size - 8):
             raise self._fail(f"header length {length} in a file of {self.size} bytes")
         try:
-            header = json.loads(os.pread(self._fd, length, 8))
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise self._fail(f"header is not JSON: {error}") from None
-        header.pop("__metadata__", None)
+            header = json.loads(os.pread(self._fd, length, 8), object_pairs_hook=_unique_keys)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
+            raise self._fail(f"header is not JSON: {str(error)[:100]}") from None
+        except ValueError as error:  # a name given twice
+            raise self._fail(str(error)) from None
+        if not isinstance(header, dict):
+            raise self._fail(f"header is a JSON {type(header).__name__}, not an object")
+        metadata = header.pop("__metadata__", None)
+        if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+            raise self._fail("__metadata__ must map names to strings")
         data_start = 8 + length
-        end = max((t["data_offsets"][1] for t in header.values()), default=0)
-        if data_start + end > self.size:
-            raise self._fail(f"header promises {data_start + end} bytes, the file has {self.size}")
-        for name, entry in header.items():
-            if entry.get("dtype") not in SAFETENSORS_TO_TORCH:
-                raise RelexError(f"{self.path}: tensor {name} has unsupported dtype {entry.get('dtype')}")
+        spans = sorted((self._check_entry(name, entry), name) for name, entry in header.items())
+        position = 0
+        for (begin, end), name in spans:
+            if begin != position:
+                what = "overlaps the tensor before it" if begin < position else f"leaves a gap of {begin - position} bytes before it"
+                raise self._fail(f"tensor {_shown(name)} at bytes {begin}..{end} {what}")
+            position = end
+        if data_start + position != self.size:
+            raise self._fail(f"header describes {data_start + position} bytes, the file has {self.size}")
         return header, data_start
+
+    def _check_entry(self, name: str, entry) -> tuple[int, int]:
+        """(begin, end) of one tensor after checking its dtype, shape and offsets against each other."""
+        if not isinstance(entry, dict):
+            raise self._fail(f"tensor {_shown(name)}: entry is a JSON {type(entry).__name__}, not an object")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in SAFETENSORS_TO_TORCH:
+            raise RelexError(f"{self.path}: tensor {_shown(name)} has unsupported dtype {_shown(dtype)}")
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise self._fail(f"tensor {_shown(name)}: shape {_shown(shape)} is not a list of non-negative integers")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+            raise self._fail(f"tensor {_shown(name)}: data_offsets {_shown(offsets)} are not two non-negative integers")
+        begin, end = offsets
+        if end < begin:
+            raise self._fail(f"tensor {_shown(name)}: data_offsets {begin}..{end} run backwards")
+        if end > self.size:
+            raise self._fail(f"tensor {_shown(name)}: data_offsets end at {end}, beyond the file's {self.size} bytes")
+        numel = math.prod(shape)
+        nbytes = numel * SAFETENSORS_TO_TORCH[dtype].itemsize
+        if end - begin != nbytes:
+            raise self._fail(f"tensor {_shown(name)}: shape {shape} of {dtype} takes {nbytes} bytes, data_offsets give {end - begin}")
+        return begin, end
 
     def keys(self) -> list[str]:
         return list(self.header)
