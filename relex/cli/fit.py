@@ -6,7 +6,10 @@ def add_arguments(parser):
 
     parser.add_argument("store", help="a trajectory store (from relex ingest or relex train)")
     parser.add_argument("--out", required=True, help="the FIT folder to write")
-    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument(
+        "--overwrite", action="store_true",
+        help="replace an existing FIT once the new one is complete (never the store, its base or --gram-from)",
+    )
     parser.add_argument(
         "--gram-from", default=None, metavar="FIT",
         help="refit from the Gram matrices of an earlier fit over the same steps (other rank, temporal model or window; no pass over the store)",
@@ -15,19 +18,18 @@ def add_arguments(parser):
 
 
 def run(args):
-    from pathlib import Path
-
     from relex.cli.common import console, fit_config_from
-    from relex.errors import RelexError
     from relex.fit import fit_store, refit
+    from relex.io.atomic import check_output, write_lock
     from relex.store import TrajectoryStore
 
     store = TrajectoryStore.open(args.store)
-    if Path(args.out).exists() and not args.overwrite:
-        raise RelexError(f"{args.out}: exists; pass --overwrite to replace it")
-    config = fit_config_from(args)
-    result = refit(store, config, args.gram_from) if args.gram_from else fit_store(store, config)
-    result.save(args.out, overwrite=args.overwrite)
+    inputs = [store.path, store.base_dir, args.gram_from]
+    check_output(args.out, overwrite=args.overwrite, inputs=inputs)  # before the pass, not after it
+    with write_lock(args.out):
+        config = fit_config_from(args)
+        result = refit(store, config, args.gram_from) if args.gram_from else fit_store(store, config)
+        result.save(args.out, overwrite=args.overwrite, inputs=inputs)
     print_fit_summary(result)
     console.print(f"fit written to {args.out} (diagnostics.csv per tensor)")
 

@@ -10,8 +10,10 @@ the pass is planned up front and runs ahead in the reader's background thread (`
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -26,7 +28,8 @@ from relex.extrapolate.methods import Method, Plan, get_method
 from relex.fit.fit import FitConfig, FitResult, fit_from_grams, observed_steps, validate, window_indices
 from relex.fit.gram import resolve_device
 from relex.fit.trajectory_fit import TensorFit, fit_tensor
-from relex.io.checkpoint import CheckpointReader, TensorInfo
+from relex.io.atomic import atomic_output, check_output, write_lock
+from relex.io.checkpoint import CheckpointReader, TensorInfo, read_config
 from relex.io.dtypes import dtype_name, parse_dtype
 from relex.io.hf_folder import HFFolderWriter, model_order, parse_size
 from relex.store import Block, TrajectoryStore
@@ -202,28 +205,58 @@ class _Pass:
 
 
 def extrapolate_store(store: TrajectoryStore, out_dir: str | Path, config: ExtrapolateConfig, fit: FitResult | None = None) -> list[TargetReport]:
-    """Write one HF folder per target under `out_dir`; returns what each target holds."""
+    """Write one HF folder per target under `out_dir`; returns what each target holds.
+
+    The whole of `out_dir` (every step folder and `fit/`) is written under a temporary name and replaces an
+    old one only when complete, with `out_dir`'s lock held (relex.io.atomic); `--overwrite` never replaces an
+    input (the store, its base or checkpoints, the fit).
+    """
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not config.overwrite:
-        raise RelexError(f"{out_dir}: exists and is not empty; pass --overwrite to replace its step folders")
+    inputs = extrapolation_inputs(store, fit)
+    check_output(out_dir, overwrite=config.overwrite, inputs=inputs)
+    read_config(store.base_dir)  # a broken config.json fails now, not after the pass
     max_shard = parse_size(config.max_shard_size)
-    state = _Pass(store, out_dir, config, fit)  # validates everything before anything is written
-    created = not out_dir.exists()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    writers = [HFFolderWriter(r.path, state.layout, base_dir=store.base_dir, max_shard_bytes=max_shard) for r in state.reports]
-    started = time.time()
+    with write_lock(out_dir):
+        state = _Pass(store, out_dir, config, fit)  # validates everything before anything is written
+        started = time.time()
+        try:
+            with atomic_output(out_dir, overwrite=config.overwrite, inputs=inputs) as tmp:
+                fit_used = _write_targets(state, tmp, max_shard)
+                if fit is None and state.grams:
+                    fit_used.write_into(tmp / "fit")
+        finally:
+            state.close()
+    LOG.info("wrote %d checkpoint(s) in %.1f s", len(state.reports), time.time() - started)
+    return state.reports
+
+
+def extrapolation_inputs(store: TrajectoryStore, fit: FitResult | None) -> list[Path]:
+    """What an extrapolation reads: an output there would be refused by --overwrite."""
+    referenced = [store.checkpoint_dir(e) for e in store.entries if e.kind == "checkpoint"]
+    return [store.path, store.base_dir, *referenced, getattr(fit, "folder", None)]
+
+
+def _write_targets(state: _Pass, out_dir: Path, max_shard: int) -> FitResult | None:
+    """Stream every tensor into one HF folder per target under `out_dir`; returns the fit that was used."""
+    store, config, fit = state.store, state.config, state.fit
+    writers = [HFFolderWriter(out_dir / r.path.name, state.layout, base_dir=store.base_dir, max_shard_bytes=max_shard) for r in state.reports]
+    aliases = Counter(state.tied.values())  # a tensor may have several aliases: its values wait for the last one
     try:
         tied_outputs: dict[str, list[torch.Tensor]] = {}
         for name, info in tqdm(state.layout, desc=f"extrapolate ({config.method})", unit="tensor", leave=False):
             alias_of = state.tied.get(name)
             if alias_of is not None and alias_of in tied_outputs:
-                for writer, values in zip(writers, tied_outputs.pop(alias_of)):
+                for writer, values in zip(writers, tied_outputs[alias_of]):
                     writer.write(name, values)
+                aliases[alias_of] -= 1
+                if not aliases[alias_of]:
+                    del tied_outputs[alias_of]
                 continue
-            keep = name in state.tied.values()
+            keep = name in aliases
             parts: list[list[torch.Tensor]] = [[] for _ in writers]
             for _, outputs in state.tensor_outputs(name, info):
-                for writer, values, part in zip(writers, outputs, parts):
+                for writer, values, part, report in zip(writers, outputs, parts, state.reports):
+                    check_finite(name, values, report.target)
                     writer.write(name, values)
                     if keep:
                         part.append(values)
@@ -234,20 +267,21 @@ def extrapolate_store(store: TrajectoryStore, out_dir: str | Path, config: Extra
             report.delta_norm = report._pred_sq**0.5
             report.rounding_loss = (report._lost_sq / report._pred_sq) ** 0.5 if report._pred_sq > 0 else 0.0
             writer.finish(state.out_dtype or _config_dtype(state), _provenance(state, report, fit_used))
-    except BaseException as error:
+    except BaseException:
         for writer in writers:
             writer.abort()
-        if created:
-            shutil.rmtree(out_dir, ignore_errors=True)
-        if isinstance(error, OSError):  # a full disk, a lost mount: one line, not a traceback
-            raise RelexError(f"{out_dir}: nothing written: {error}") from error
         raise
-    finally:
-        state.close()
-    if fit is None and state.grams:
-        fit_used.save(out_dir / "fit", overwrite=True)
-    LOG.info("wrote %d checkpoint(s) in %.1f s", len(writers), time.time() - started)
-    return state.reports
+    return fit_used
+
+
+def check_finite(name: str, values: torch.Tensor, target: int) -> None:
+    """Refuse an output value the output dtype cannot hold (an overflow to Inf), naming the tensor and target."""
+    if values.is_floating_point() and not torch.isfinite(values).all():
+        largest = torch.finfo(values.dtype).max
+        raise RelexError(
+            f"tensor {name} at step {target}: the extrapolated weights overflow {dtype_name(values.dtype)} "
+            f"(|value| > {largest:.3g} becomes Inf); choose a nearer target or a wider --dtype such as float32"
+        )
 
 
 def _config_dtype(state: _Pass) -> torch.dtype | None:
@@ -279,13 +313,14 @@ def _provenance(state: _Pass, report: TargetReport, fit: FitResult | None) -> di
 
 
 def materialize_step(store_dir: str | Path, step: int, out_dir: str | Path) -> Path:
-    """Write the real checkpoint θ₀ + Δ_step of a recorded step as an HF folder at `out_dir`."""
+    """Write the real checkpoint θ₀ + Δ_step of a recorded step as an HF folder at `out_dir` (replaced whole)."""
     store = TrajectoryStore.open(store_dir)
     store.entry(step)
     out_dir = Path(out_dir)
     config = ExtrapolateConfig(targets=[step], method="observed", overwrite=True)
-    reports = extrapolate_store(store, out_dir.parent / f".{out_dir.name}.materialize", config)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    reports[0].path.rename(out_dir)
-    shutil.rmtree(out_dir.parent / f".{out_dir.name}.materialize", ignore_errors=True)
+    with atomic_output(out_dir, overwrite=True, inputs=extrapolation_inputs(store, None)) as tmp:
+        folder = extrapolate_store(store, tmp / "written", config)[0].path
+        for child in (tmp / "written" / folder.name).iterdir():
+            os.replace(child, tmp / child.name)
+        shutil.rmtree(tmp / "written")
     return out_dir

@@ -13,8 +13,6 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import os
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import median
@@ -29,6 +27,7 @@ from relex.errors import RelexError
 from relex.fit.gram import resolve_device, tensor_grams
 from relex.fit.temporal import TEMPORAL_MODELS, TemporalModel, make_temporal
 from relex.fit.trajectory_fit import TensorFit, fit_tensor
+from relex.io.atomic import atomic_output
 from relex.store import TrajectoryStore
 
 LOG = logging.getLogger(__name__)
@@ -127,12 +126,16 @@ class FitResult:
         return {k: overall[k] for k in ("tensors", "median_explained_variance", "share_ev_ge_0.9", "median_r2")}
 
     # ---- persistence ---------------------------------------------------------------------------------------------
-    def save(self, out_dir: str | Path, overwrite: bool = False) -> Path:
+    def save(self, out_dir: str | Path, overwrite: bool = False, inputs=()) -> Path:
+        """Write the fit folder atomically (relex.io.atomic); `overwrite` never replaces one of `inputs`."""
         out_dir = Path(out_dir)
-        _refuse_existing(out_dir, overwrite)
-        tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        with atomic_output(out_dir, overwrite=overwrite, inputs=inputs) as tmp:
+            self.write_into(tmp)
+        return out_dir
+
+    def write_into(self, folder: Path) -> None:
+        """The fit's files in `folder` (created; the caller makes it atomic): fit.json, gram.safetensors, CSVs."""
+        folder.mkdir(parents=True, exist_ok=True)
         payload = {
             "relex_version": __version__,
             "store": self.store_path,
@@ -150,14 +153,10 @@ class FitResult:
                 for name, fit in self.tensors.items()
             },
         }
-        (tmp / "fit.json").write_text(json.dumps(payload) + "\n")
-        save_file({f"gram/{n}": torch.from_numpy(g) for n, g in self.grams.items()}, str(tmp / "gram.safetensors"))
-        _write_csv(tmp / "diagnostics.csv", self.rows())
-        _write_csv(tmp / "summary_by_module_type.csv", self.summary_by_module_type())
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-        return out_dir
+        (folder / "fit.json").write_text(json.dumps(payload) + "\n")
+        save_file({f"gram/{n}": torch.from_numpy(g) for n, g in self.grams.items()}, str(folder / "gram.safetensors"))
+        _write_csv(folder / "diagnostics.csv", self.rows())
+        _write_csv(folder / "summary_by_module_type.csv", self.summary_by_module_type())
 
     @classmethod
     def load(cls, path: str | Path) -> "FitResult":
@@ -172,7 +171,9 @@ class FitResult:
             u = np.asarray(t["u"], dtype=np.float64).reshape(len(steps), -1)
             tensors[name] = TensorFit(name, steps, np.asarray(t["window"]), np.asarray(t["eigenvalues"]), u, t["temporal"], t["r2"])
         numel = {name: t["numel"] for name, t in payload["tensors"].items()}
-        return cls(FitConfig(**payload["config"]), steps, tensors, grams, numel, payload.get("store", ""))
+        result = cls(FitConfig(**payload["config"]), steps, tensors, grams, numel, payload.get("store", ""))
+        result.folder = path  # where it was read from: an input that an --overwrite must not replace
+        return result
 
 
 def _summarise(name: str, rows: list[dict]) -> dict:
@@ -193,11 +194,6 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["tensor"])
         writer.writeheader()
         writer.writerows(rows)
-
-
-def _refuse_existing(path: Path, overwrite: bool) -> None:
-    if path.exists() and not overwrite:
-        raise RelexError(f"{path}: exists; pass --overwrite to replace it")
 
 
 def fit_from_grams(config: FitConfig, steps: list[int], grams: dict[str, np.ndarray], numel: dict[str, int], store_path: str = "") -> FitResult:
