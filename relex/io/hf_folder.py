@@ -6,9 +6,9 @@ with the output dtype and the architecture, the tokenizer and generation config 
 `relex.json` saying how the folder was made. Everything goes to a hidden temporary folder that is renamed into place
 only when complete.
 
-The shards are the ones `save_pretrained(max_shard_size=...)` writes: tensors in the order of the model's
-`state_dict()` (`model_order`), split as huggingface_hub's `split_torch_state_dict_into_shards` splits them
-(`plan_shards`), so tools that compare folders, or read shard by shard, see what transformers would have written.
+The shards are the ones `save_pretrained(max_shard_size=...)` writes: tensors in the order transformers saves them
+(`model_order`), split as huggingface_hub's `split_torch_state_dict_into_shards` splits them (`plan_shards`), so
+each tensor lies in the shard file where transformers would have put it.
 The config is made ready for inference (`make_inference_ready`): training leaves `use_cache: false` behind, and a
 config saved on its own (not by the model's `save_pretrained`) lacks `architectures`, which vLLM and mergekit need.
 """
@@ -82,14 +82,18 @@ def plan_shards(layout: Sequence[tuple[str, TensorInfo]], max_shard_bytes: int) 
 
 
 def model_order(names: Sequence[str], config_dir: str | Path | None) -> list[str]:
-    """`names` in the order of the model's `state_dict()`, the order `save_pretrained` writes and shards them.
+    """`names` in the order `save_pretrained` writes a loaded model's tensors, so shards split where transformers'.
 
-    The order comes from the model class built on the meta device from `config_dir`'s config.json (no memory, no
-    weights). Names the model does not have, or every name when no model can be built from the config, follow in
-    natural order (layers.2 before layers.10).
+    transformers 5 sorts the state dict by `core_model_loading.dot_natural_key` before saving (dotted parts, numbers
+    as numbers: layers.2 before layers.10); transformers 4 keeps the order of the model's `state_dict()`, taken here
+    from the model built on the meta device from `config_dir`'s config.json. Names that model lacks come last.
     """
-    known = {name: i for i, name in enumerate(state_dict_order(config_dir))} if config_dir is not None else {}
-    return sorted(names, key=lambda name: (name not in known, known.get(name, 0), natural_key(name)))
+    try:
+        from transformers.core_model_loading import dot_natural_key
+    except ImportError:  # transformers 4
+        known = {name: i for i, name in enumerate(state_dict_order(config_dir))} if config_dir is not None else {}
+        return sorted(names, key=lambda name: (name not in known, known.get(name, 0), natural_key(name)))
+    return sorted(names, key=dot_natural_key)
 
 
 def natural_key(name: str) -> tuple:
