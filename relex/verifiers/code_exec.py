@@ -3,48 +3,42 @@
     code_reward(["```python\\ndef add(a, b):\\n    return a + b\\n```"], tests=["assert add(2, 3) == 5"])
 
 The code is the last ```python (or untagged) fenced block, else the whole completion. `tests` is Python source
-with asserts, or a list of assert lines. Code and tests run together in a fresh `python -I` in an empty
-temporary folder, in a new session whose whole process group is killed on timeout (`timeout` column or keyword,
-seconds). The child is limited in address space, CPU time, file size and process count (0: no new processes or
-threads), and a prelude disables process and thread creation (fork, exec, subprocess, threading, ctypes) and
-sockets. Success needs exit status 0 and a secret written after the tests, so `sys.exit(0)` before the tests
-does not pass.
+with asserts, or a list of assert lines; `timeout` (a column or keyword) is the wall-clock limit in seconds.
 
-This is a best-effort sandbox against accidents and reward hacks, not a security boundary: the code runs as the
-calling user, can read and write that user's files, and a determined program can undo the prelude. As root,
-RLIMIT_NPROC is not enforced and only the prelude blocks forks. Run untrusted code in a container.
+The verdict is computed here, in the caller's process, never by the untrusted one (`relex.verifiers.code_checks`):
+an assert `assert f(x) == 5` becomes a request to evaluate `f(x)`, and only this process knows the 5. The child
+runs the program and then each request, in the order of the tests, inside an operating-system sandbox
+(`relex.verifiers.sandbox`: bubblewrap namespaces, no network, a read-only view of `/usr` and Python only, a
+size-limited tmpfs, no new processes or threads, rlimits, and a kill of the whole PID namespace on timeout). It
+writes what each request evaluated to (its `repr`) to a report file; this process reads the values back as
+Python literals and compares them with the expected ones. A program that forges the report, exits early or
+reads its caller's frames learns nothing it could pass with: there is no secret in its process, and a missing
+or extra report line fails. What it can forge is the value of an assert that holds no literal to compare with
+(`assert is_prime(7)` expects True, which anyone can guess), and asserts nested inside loops or functions,
+which run in the child as statements; write tests as `assert call(...) == expected` to close that gap.
+
+bubblewrap is required: where it is missing or cannot run, the verifier raises `RelexError` in one line.
 """
 
 from __future__ import annotations
 
-import contextlib
+import json
 import logging
-import math
 import os
-import secrets
-import signal
-import subprocess
-import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 from relex.verifiers.answers import completion_text, last_fenced_block
 from relex.verifiers.columns import optional_column, required_column
+from relex.verifiers.sandbox import DEFAULT_TIMEOUT, SandboxLimits, require_sandbox, run_sandboxed
+from relex.verifiers.code_checks import CheckPlan, plan_tests
 
 LOG = logging.getLogger(__name__)
 
 NAME = "code"
-DEFAULT_TIMEOUT = 5.0
 MAX_PARALLEL = 8
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    timeout: float = DEFAULT_TIMEOUT  # wall-clock seconds; CPU time is capped one second above it
-    memory_bytes: int = 512 * 2**20
-    file_bytes: int = 16 * 2**20
+MAX_REPORT_BYTES = 2**20
 
 
 def code_reward(completions, **columns) -> list[float]:
@@ -52,8 +46,9 @@ def code_reward(completions, **columns) -> list[float]:
     n = len(completions)
     tests = required_column(columns, "tests", n, NAME)
     timeouts = optional_column(columns, "timeout", n, DEFAULT_TIMEOUT)
+    require_sandbox()  # one clear error before any job starts
     jobs = [
-        (extract_code(completion_text(c)), test_source(t), SandboxLimits(timeout=float(s)))
+        (extract_code(completion_text(c)), plan_tests(test_source(t)), SandboxLimits(timeout=float(s)))
         for c, t, s in zip(completions, tests, timeouts, strict=True)
     ]
     with ThreadPoolExecutor(max_workers=max(1, min(n, MAX_PARALLEL, os.cpu_count() or 1))) as pool:
@@ -69,101 +64,89 @@ def test_source(tests: str | list[str]) -> str:
     return tests if isinstance(tests, str) else "\n".join(tests)
 
 
-def passes_tests(code: str, tests: str, limits: SandboxLimits = SandboxLimits()) -> bool:
-    """Run `code` then `tests` in the sandbox; True only when the tests ran to the end without an error."""
-    secret = secrets.token_hex(16)
+def passes_tests(code: str, plan: CheckPlan, limits: SandboxLimits = SandboxLimits()) -> bool:
+    """Run `code`, then the plan's requests, in the sandbox; True when every check of the plan holds."""
+    if not plan.parent_checks_pass():
+        return False
     with tempfile.TemporaryDirectory(prefix="relex-code-", ignore_cleanup_errors=True) as tmp:
-        folder = Path(tmp)
-        (folder / "sandbox.py").write_text(SANDBOX)
-        (folder / "program.py").write_text(f"{code}\n{tests}\n")
-        returncode = _run_sandbox(folder, secret, limits)
-        passed = returncode == 0 and _tail(folder / "stdout", len(secret)) == secret.encode()
+        job = Path(tmp)
+        (job / "runner.py").write_text(RUNNER)
+        (job / "program.py").write_text(code)
+        (job / "steps.json").write_text(json.dumps(plan.steps))
+        (job / "limits.json").write_text(json.dumps(runner_limits(limits)))
+        outcome = run_sandboxed(job, "runner.py", limits, report=job / "report")
+        lines = read_report(job / "report")
+        passed = not outcome.timed_out and plan.judge(lines)
         if not passed:
-            LOG.debug("verifier code: exit %s; stderr ends %r", returncode, _tail(folder / "stderr", 500))
+            LOG.debug("verifier code: exit %s, report %.300r, stderr ends %r",
+                      outcome.returncode, lines, (job / "stderr").read_bytes()[-500:])
     return passed
 
 
-def _run_sandbox(folder: Path, secret: str, limits: SandboxLimits) -> int:
-    """Exit status of the sandboxed child (negative: killed by that signal, e.g. on timeout)."""
-    cpu_seconds = math.ceil(limits.timeout) + 1
-    argv = [sys.executable, "-I", "sandbox.py", *map(str, (limits.memory_bytes, cpu_seconds, limits.file_bytes))]
-    with open(folder / "stdout", "wb") as out, open(folder / "stderr", "wb") as err:
-        child = subprocess.Popen(
-            argv,
-            cwd=folder,
-            env=_child_env(folder),
-            stdin=subprocess.PIPE,
-            stdout=out,
-            stderr=err,
-            start_new_session=True,
-        )
-        try:
-            child.communicate(f"{secret}\n".encode(), timeout=limits.timeout)
-        except subprocess.TimeoutExpired:
-            LOG.debug("verifier code: timed out after %.1f s", limits.timeout)
-        finally:
-            _kill_group(child.pid)  # also whatever the program started that outlived it
-            child.wait()
-    return child.returncode
+def runner_limits(limits: SandboxLimits) -> dict[str, int]:
+    cpu_seconds = int(limits.timeout) + 2
+    return {"memory": limits.memory_bytes, "cpu": cpu_seconds, "file": limits.file_bytes}
 
 
-def _child_env(folder: Path) -> dict[str, str]:
-    threads = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
-    return {"PATH": os.defpath, "HOME": str(folder), "LANG": "C.UTF-8", **threads}
-
-
-def _kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):  # the group is already gone
-        os.killpg(pgid, signal.SIGKILL)
-
-
-def _tail(path: Path, size: int) -> bytes:
+def read_report(path: Path) -> list[dict]:
+    """The report's JSON lines (at most `MAX_REPORT_BYTES`); a line that is not a JSON object ends the list."""
     with open(path, "rb") as f:
-        f.seek(max(0, f.seek(0, os.SEEK_END) - size))
-        return f.read()
+        data = f.read(MAX_REPORT_BYTES)
+    lines = []
+    for raw in data.splitlines():
+        try:
+            line = json.loads(raw)
+        except (ValueError, RecursionError):
+            break
+        if not isinstance(line, dict):
+            break
+        lines.append(line)
+    return lines
 
 
-# Runs in the child as `python -I sandbox.py MEMORY CPU_SECONDS FILE_BYTES`, with the secret on stdin.
-SANDBOX = """
-import os, posix, resource, socket, sys, threading, _posixsubprocess, _socket, _thread
+# Runs in the sandbox as `python -I -S /job/runner.py REPORT_FD`. It holds no expected value: it runs the program,
+# then each step, and writes one JSON line per step to the report descriptor, stopping at the first error.
+RUNNER = """
+import json, os, resource, sys
 
 
-def blocked(*args, **kwargs):
-    raise PermissionError("disabled by the relex code verifier sandbox")
+def send(report, **line):
+    os.write(report, (json.dumps(line) + "\\n").encode())
 
 
-def confine(memory, cpu_seconds, file_bytes):
-    for kind, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu_seconds),
-                        (resource.RLIMIT_FSIZE, file_bytes), (resource.RLIMIT_NPROC, 0)):
+def confine(memory, cpu, file):
+    for kind, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu),
+                        (resource.RLIMIT_FSIZE, file), (resource.RLIMIT_NPROC, 0)):
         resource.setrlimit(kind, (value, value))
-    for module in (os, posix):  # RLIMIT_NPROC does not bind root, so take the calls away as well
-        for name in ("fork", "forkpty", "system", "popen", "posix_spawn", "posix_spawnp", "execv", "execve",
-                     "kill", "killpg"):
-            if hasattr(module, name):
-                setattr(module, name, blocked)
-    _posixsubprocess.fork_exec = blocked
-    for module, names in ((_thread, ("start_new_thread", "start_new", "start_joinable_thread")),
-                          (threading, ("_start_new_thread", "_start_joinable_thread"))):
-        for name in names:  # RLIMIT_NPROC counts threads too; the same verdict as root or not
-            if hasattr(module, name):
-                setattr(module, name, blocked)
-    for name in ("socket", "socketpair", "fromfd", "create_connection", "create_server"):
-        setattr(socket, name, blocked)
-    _socket.socket = blocked
-    sys.modules["ctypes"] = None
 
 
 def main():
-    secret = sys.stdin.readline().strip()  # a local, so the program cannot read it from __main__
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    report = os.dup(1)  # the program may close or redirect stdout
-    confine(*map(int, sys.argv[1:4]))
-    with open("program.py") as f:
-        program = compile(f.read(), "program.py", "exec")
-    exec(program, {"__name__": "__main__", "__builtins__": __builtins__})
-    os.write(report, secret.encode())
-    os._exit(0)
+    report = int(sys.argv[1])
+    with open("/job/steps.json") as f:
+        steps = json.load(f)
+    with open("/job/limits.json") as f:
+        limits = json.load(f)
+    with open("/job/program.py") as f:
+        source = f.read()
+    confine(**limits)
+    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    try:
+        exec(compile(source, "program.py", "exec"), namespace)
+    except BaseException as e:
+        send(report, step="program", error=type(e).__name__)
+        return
+    send(report, step="program")
+    for i, (kind, step) in enumerate(steps):
+        try:
+            if kind == "exec":
+                exec(compile(step, f"test {i}", "exec"), namespace)
+                send(report, step=i)
+            else:
+                value = eval(compile(step, f"test {i}", "eval"), namespace)
+                send(report, step=i, value=repr(bool(value) if kind == "truth" else value))
+        except BaseException as e:
+            send(report, step=i, error=type(e).__name__)
+            return
 
 
 main()

@@ -1,0 +1,183 @@
+"""Run untrusted Python in an operating-system sandbox: bubblewrap namespaces, a seccomp filter and rlimits.
+
+    with tempfile.TemporaryDirectory() as job:
+        ...write runner.py and its inputs into job...
+        outcome = run_sandboxed(Path(job), ["runner.py"], SandboxLimits(timeout=5))
+
+The child sees a filesystem that holds only the system's `/usr` and the Python installation (read-only), the job
+folder at `/job` (read-only) and a size-limited tmpfs at `/tmp` as its working folder: not the caller's home, repo
+or datasets. It has its own user, PID, network (loopback only, nothing listening), IPC and UTS namespaces, an
+empty environment, no capabilities, and a seccomp filter that makes `fork`, `vfork`, `clone` and `clone3` fail,
+so it can start neither processes nor threads (RLIMIT_NPROC cannot do that for a caller that is root). Address
+space, CPU time and file size are limited with rlimits set by the trusted runner before the program starts.
+On timeout the parent kills bubblewrap's process group; bubblewrap is PID 1 of the sandbox's namespace, and the
+kernel kills every process of a PID namespace when its first process dies, so nothing the program started
+survives (`setsid()` does not help it).
+
+bubblewrap comes from Debian's `bubblewrap` package (`scripts/setup.sh` installs it when run as root). Where it
+is missing, or the kernel refuses it user namespaces, `require_sandbox()` raises `RelexError` in one line
+saying so (`sandbox_problem()` returns that sentence, for callers that want to check first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import platform
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from relex.errors import RelexError
+
+LOG = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = 5.0
+SANDBOX_ENV = {"PATH": "/usr/bin", "LANG": "C.UTF-8", "HOME": "/tmp"}
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    timeout: float = DEFAULT_TIMEOUT  # wall-clock seconds; CPU time is capped one second above it
+    memory_bytes: int = 512 * 2**20
+    file_bytes: int = 16 * 2**20
+    disk_bytes: int = 32 * 2**20  # the tmpfs that is the program's working folder
+
+
+@dataclass(frozen=True)
+class SandboxOutcome:
+    returncode: int  # negative: killed by that signal
+    timed_out: bool
+
+
+def run_sandboxed(job: Path, script: str, limits: SandboxLimits, report: Path) -> SandboxOutcome:
+    """Run `python -I -S /job/SCRIPT REPORT_FD` in the sandbox; the file `report`, outside it, is open for
+    writing at REPORT_FD. The job folder also receives the child's `stdout` and `stderr`."""
+    bwrap = require_sandbox()
+    with contextlib.ExitStack() as stack:
+        seccomp = stack.enter_context(_seccomp_fd())
+        out = stack.enter_context(open(job / "stdout", "wb"))
+        err = stack.enter_context(open(job / "stderr", "wb"))
+        report_file = stack.enter_context(open(report, "wb"))
+        report_fd = report_file.fileno()
+        command = [bwrap, *bwrap_arguments(job, limits, seccomp), *python_command([script, str(report_fd)])]
+        child = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+            pass_fds=(report_fd, seccomp),
+            env=SANDBOX_ENV,  # bubblewrap stays the sandbox's PID 1, whose /proc/1/environ the program can read
+        )
+        timed_out = False
+        try:
+            child.wait(timeout=limits.timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            LOG.debug("sandbox: timed out after %.1f s", limits.timeout)
+        finally:
+            _kill_group(child.pid)
+            child.wait()
+    return SandboxOutcome(child.returncode, timed_out)
+
+
+def bwrap_arguments(job: Path, limits: SandboxLimits, seccomp_fd: int | None = None) -> list[str]:
+    prefix = sys.base_prefix
+    arguments = [
+        "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv",
+        *(item for name, value in SANDBOX_ENV.items() for item in ("--setenv", name, value)),
+        "--ro-bind", "/usr", "/usr", "--ro-bind", prefix, prefix,
+        "--proc", "/proc", "--ro-bind", str(job), "/job",
+        "--size", str(limits.disk_bytes), "--tmpfs", "/tmp", "--chdir", "/tmp",
+    ]  # fmt: skip
+    for name in ("lib", "lib64", "bin"):  # merged-/usr systems link these into /usr; others get /usr's copy
+        if Path("/" + name).is_symlink():
+            arguments += ["--symlink", os.readlink("/" + name), "/" + name]
+        elif Path("/" + name).is_dir():
+            arguments += ["--ro-bind", "/" + name, "/" + name]
+    arguments += ["--remount-ro", "/"]  # the root bubblewrap builds is a tmpfs: writable and unbounded otherwise
+    if seccomp_fd is not None:
+        arguments += ["--seccomp", str(seccomp_fd)]
+    return arguments
+
+
+def python_command(argv: list[str]) -> list[str]:
+    # the base interpreter, not a virtual environment's: the sandbox sees only the installation under base_prefix
+    interpreter = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    return [str(interpreter), "-I", "-S", f"/job/{argv[0]}", *argv[1:]]
+
+
+def require_sandbox() -> str:
+    """The path of `bwrap` after checking that it can create the sandbox here; raises `RelexError` otherwise."""
+    problem = sandbox_problem()
+    if problem is not None:
+        raise RelexError(f"code verifier: {problem}")
+    return shutil.which("bwrap")
+
+
+@functools.cache
+def sandbox_problem() -> str | None:
+    """Why the sandbox cannot run on this machine, in one sentence; None when it can."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return (
+            "bubblewrap (bwrap) is not installed; install Debian's bubblewrap package (scripts/setup.sh does so "
+            "when run as root): untrusted code runs only inside it"
+        )
+    if platform.machine() not in _AUDIT_ARCH:
+        return f"no seccomp filter for the {platform.machine()} architecture (x86_64 and aarch64 only)"
+    probe = subprocess.run(
+        [bwrap, "--unshare-all", "--ro-bind", "/", "/", "true"], capture_output=True, text=True, check=False
+    )
+    if probe.returncode != 0:
+        reason = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]
+        return (
+            f"bubblewrap cannot create a sandbox here ({reason}); it needs user namespaces "
+            "(sysctl kernel.unprivileged_userns_clone=1, or a container that allows them)"
+        )
+    return None
+
+
+# seccomp: ERRNO(EPERM) for the syscalls that create processes and threads, on the two architectures relex runs on
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+_SPAWN_SYSCALLS = {"x86_64": (56, 57, 58, 435), "aarch64": (220, 435)}  # clone, fork, vfork, clone3 / clone, clone3
+_X32_BIT = 0x40000000  # x86_64's x32 ABI numbers; refused outright
+
+
+def seccomp_program(machine: str) -> bytes:
+    """A classic BPF program for bubblewrap's `--seccomp`: deny process and thread creation, allow the rest."""
+    load_arch, load_nr = (0x20, 0, 0, 4), (0x20, 0, 0, 0)  # BPF_LD|BPF_W|BPF_ABS of seccomp_data.arch / .nr
+    allow, deny = (0x06, 0, 0, 0x7FFF0000), (0x06, 0, 0, 0x00050000 | 1)  # RET ALLOW / RET ERRNO(EPERM)
+    syscalls = _SPAWN_SYSCALLS[machine]
+    program = [load_arch, (0x15, 1, 0, _AUDIT_ARCH[machine]), allow, load_nr]  # another arch: allow (see docstring)
+    if machine == "x86_64":
+        program.append((0x35, len(syscalls) + 1, 0, _X32_BIT))  # JGE x32 -> deny
+    for i, number in enumerate(syscalls):
+        program.append((0x15, len(syscalls) - i, 0, number))  # JEQ -> deny
+    program += [allow, deny]
+    return b"".join(struct.pack("<HBBI", *instruction) for instruction in program)
+
+
+@contextlib.contextmanager
+def _seccomp_fd():
+    read, write = os.pipe()
+    try:
+        os.write(write, seccomp_program(platform.machine()))
+        os.close(write)
+        yield read
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(write)
+        os.close(read)
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the group is already gone
+        os.killpg(pgid, signal.SIGKILL)
