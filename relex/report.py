@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relex.errors import RelexError
+from relex.io.atomic import write_text_atomic
 
 LOG = logging.getLogger(__name__)
 
@@ -234,8 +235,6 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     parts += backtest_section(run)
     parts += eval_section(run, figures)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tmp.write_text("\n".join(parts).rstrip() + "\n")
-    os.replace(tmp, out)
+    write_text_atomic(out, "\n".join(parts).rstrip() + "\n", lock=True)
     LOG.info("report written to %s with %d figure(s)", out, len(figures.written))
     return out

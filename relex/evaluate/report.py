@@ -1,55 +1,35 @@
 """The outputs of an evaluation: a table for the terminal, and `OUT/completions.jsonl` + `OUT/summary.json`.
 
-The output folder is written under a hidden temporary name next to it and renamed into place once complete,
-so an interrupted or failed evaluation never leaves a half-written folder behind.
+The output folder is written through relex.io.atomic: under a hidden temporary name next to it, renamed into
+place once complete, so an interrupted or failed evaluation never leaves a half-written folder behind.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from relex.errors import RelexError
+from relex.io.atomic import atomic_output, check_output
 
 COMPLETIONS_NAME = "completions.jsonl"
 SUMMARY_NAME = "summary.json"
 
 
-def check_out_dir(out_dir: Path, overwrite: bool) -> None:
-    """Refuses, before any work, an output path that is a file or a folder with something in it."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise RelexError(f"output {out_dir} exists and is not a folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise RelexError(f"output folder {out_dir} exists and is not empty; choose another --out or pass --overwrite")
+def check_out_dir(out_dir: Path, overwrite: bool, inputs=()) -> None:
+    """Refuses, before any work, an output path that is a file, a folder with something in it (without
+    `overwrite`), or with `overwrite` one of the checkpoints evaluated (relex.io.atomic)."""
+    check_output(out_dir, overwrite=overwrite, inputs=inputs)
 
 
-def write_outputs(result, out_dir: Path, overwrite: bool) -> Path:
-    check_out_dir(out_dir, overwrite)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary folder
-    try:
+def write_outputs(result, out_dir: Path, overwrite: bool, inputs=()) -> Path:
+    with atomic_output(out_dir, overwrite=overwrite, inputs=inputs) as tmp:
         with open(tmp / COMPLETIONS_NAME, "w") as handle:
             for checkpoint in result.checkpoints:
                 for record in checkpoint.records:
                     handle.write(json.dumps(record, ensure_ascii=False) + "\n")
         (tmp / SUMMARY_NAME).write_text(json.dumps(result.summary(), indent=1, default=str) + "\n")
-        _replace_folder(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
-
-
-def _replace_folder(new: Path, target: Path) -> None:
-    old = target.with_name(f".{target.name}.old-{os.getpid()}")
-    if target.exists():
-        os.replace(target, old)
-    os.replace(new, target)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _rate(value: float | None) -> str:

@@ -16,7 +16,8 @@ Names beside an output OUT (all hidden, all with the PID of the process that mad
 
 The next writer of OUT, holding the lock, removes the leftovers of processes that are no longer running (and
 puts a moved-aside old output back when the new one never arrived), and says so in one line. Locks are
-`flock` locks: the OS releases them when the process dies, so a killed writer never blocks the next one.
+`flock` locks: the OS releases them when the process dies, so a killed writer never blocks the next one; the
+lock file is removed when released, so nothing is left beside a finished output.
 A trajectory store, which is appended to in place, is locked the same way (`write_lock(STORE)`).
 """
 
@@ -93,15 +94,19 @@ def write_lock(target: str | Path) -> Iterator[None]:
                 _held[key] = (fd, depth - 1)
             else:
                 del _held[key]
+                with contextlib.suppress(OSError):  # removed while still held: a newcomer locks a fresh file
+                    os.unlink(path)
                 os.close(fd)  # closing the descriptor releases the flock
 
 
 def _acquire(target: Path, path: Path, key: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as error:
-        raise _unwritable(target, error) from None
-    if fcntl is not None:
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            raise _unwritable(target, error) from None
+        if fcntl is None:
+            break
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -111,6 +116,12 @@ def _acquire(target: Path, path: Path, key: str) -> None:
             raise RelexError(
                 f"{target}: {who} is writing it (lock {path}); wait for it to finish, or choose another output"
             ) from None
+        try:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                break  # the lock file is still the one at `path`, not one its last holder removed
+        except FileNotFoundError:
+            pass
+        os.close(fd)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     with _held_guard:
@@ -247,8 +258,12 @@ def refuse_inputs(target: str | Path, inputs: Iterable[str | Path | None]) -> No
         )
 
 
+class WriteFailed(RelexError, OSError):
+    """A write that the OS refused (full disk, read-only folder): one line for the CLI, an OSError for callers."""
+
+
 def _unwritable(target: Path, error: OSError) -> RelexError:
-    return RelexError(f"{target}: cannot write there ({error.strerror or error})")
+    return WriteFailed(f"{target}: cannot write there ({error.strerror or error})")
 
 
 # ---- writing ------------------------------------------------------------------------------------------------------
@@ -290,7 +305,7 @@ def atomic_output(
             if isinstance(error, OSError):
                 if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
                     raise _unwritable(target, error) from error
-                raise RelexError(f"{target}: nothing written: {error.strerror or error}") from error
+                raise WriteFailed(f"{target}: nothing written: {error.strerror or error}") from error
             raise
 
 
@@ -350,7 +365,7 @@ def write_text_atomic(path: str | Path, text: str, *, lock: bool = False) -> Pat
         except BaseException as error:
             tmp.unlink(missing_ok=True)
             if isinstance(error, OSError):
-                raise RelexError(f"{path}: not written: {error.strerror or error}") from error
+                raise WriteFailed(f"{path}: not written: {error.strerror or error}") from error
             raise
     return path
 
