@@ -21,6 +21,7 @@ from relex.errors import RelexError
 COMMANDS = {
     "demo": "Run the whole pipeline on the embedded SmolLM2-135M: warmup, fit, extrapolate, evaluate, plot, report.",
     "train": "Run a GRPO warmup with verifiable rewards, recording parameter deltas into a trajectory store.",
+    "accelerate": "Alternate GRPO segments with extrapolation jumps, each guarded by a paired validation score.",
     "ingest": "Make a trajectory store from a run's checkpoints (HF Trainer, verl, or plain folders with --steps).",
     "fit": "Fit each tensor's rank-r trajectory direction and its growth in the step number.",
     "extrapolate": "Write Hugging Face checkpoints at target steps (relex, reconstruct, observed, two-point, per-param).",

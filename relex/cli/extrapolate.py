@@ -12,8 +12,14 @@ def add_arguments(parser):
     )
     parser.add_argument("--out", required=True, help="folder receiving step-<S>/ for each target")
     parser.add_argument("--fit", default=None, help="a FIT folder from relex fit (default: fit now)")
-    parser.add_argument("--method", default="relex", help="relex (default), reconstruct, observed, two-point, per-param")
+    parser.add_argument("--method", default="relex", help="relex (default), relex-anchored, reconstruct, observed, two-point, per-param")
     parser.add_argument("--anchors", default=None, help="two-point: steps A,B (0 is the base; default 0,<last observed>)")
+    parser.add_argument("--scale", type=float, default=1.0, metavar="λ",
+                        help="multiply the displacement predicted beyond the last observed step by λ (default 1; "
+                        "0.3-0.5 is the shrink that partly rescued plateaued runs elsewhere)")
+    parser.add_argument("--keep", default=None, metavar="TYPES",
+                        help="module types copied from the last observed step instead of extrapolated, comma-separated "
+                        "fnmatch patterns, e.g. '*norm.weight'")
     parser.add_argument("--dtype", default=None, help="output dtype of float tensors (default: the base's)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest shard, as transformers reads it (default 5GB)")
     parser.add_argument("--overwrite", action="store_true")
@@ -39,7 +45,10 @@ def run(args):
     config = ExtrapolateConfig(
         targets=parse_targets(args.targets), method=args.method, fit=fit_config_from(args), anchors=anchors,
         dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+        scale=args.scale, keep=tuple(p.strip() for p in (args.keep or "").split(",") if p.strip()),
     )
+    if args.keep is not None and not config.keep:
+        raise RelexError(f"--keep {args.keep!r} names no module type; give patterns like '*norm.weight'")
     fit = FitResult.load(args.fit) if args.fit else None
     reports = extrapolate_store(store, args.out, config, fit)
     rows = [[r.path.name, r.target, r.horizon_ratio, "yes" if r.interpolation else "no", r.delta_norm, r.rounding_loss] for r in reports]

@@ -24,8 +24,8 @@ from tqdm.auto import tqdm
 
 from relex import __version__
 from relex.errors import RelexError
-from relex.extrapolate.methods import Method, Plan, get_method
-from relex.fit.fit import FitConfig, FitResult, fit_from_grams, observed_steps, validate, window_indices
+from relex.extrapolate.methods import Method, Plan, check_scale, get_method, kept_weights, scaled_weights
+from relex.fit.fit import FitConfig, FitResult, fit_from_grams, module_type, observed_steps, validate, window_indices
 from relex.fit.gram import resolve_device
 from relex.fit.trajectory_fit import TensorFit, fit_tensor
 from relex.io.atomic import atomic_output, check_output, write_lock
@@ -49,6 +49,8 @@ class ExtrapolateConfig:
     max_shard_size: str = "5GB"
     overwrite: bool = False
     cache_elements: int = DEFAULT_CACHE_ELEMENTS
+    scale: float = 1.0  # λ: the displacement predicted beyond the last observed step is multiplied by this
+    keep: tuple[str, ...] = ()  # module-type patterns copied from the last observed step instead of extrapolated
 
 
 @dataclass
@@ -101,11 +103,13 @@ class _Pass:
         self.fit_config = fit_config
         self.plan = Plan(np.asarray(steps, dtype=np.int64), window, fit_config.temporal_model(), config.anchors)
         self.method.check(self.plan, config.targets)
+        self.scale = check_scale(config.scale)
         self.device = resolve_device(fit_config.device)
         self.base = CheckpointReader(store.base_dir)
         self.out_dtype = parse_dtype(config.dtype) if config.dtype else None
         # the manifest's views, computed once: the pass consults them for every tensor
         self.infos, self.tied, self.trajectory = store.tensors, store.tied, set(store.trajectory_names)
+        self.kept = kept_tensors(store.trajectory_names, config.keep)
         self.layout = output_layout(self.base.infos(), self.tied, self.out_dtype, store.base_dir)
         self.reader = store.reader(steps, direct=store.reads_direct(config.fit.io))
         self.grams: dict[str, np.ndarray] = {}
@@ -173,7 +177,11 @@ class _Pass:
             blocks = self._next_blocks(name)
         elif self.method.needs_fit:
             fit = self.fit.tensors[name]
-        w = self.method.weights(self.plan, np.asarray(self.config.targets), fit)
+        targets = np.asarray(self.config.targets)
+        if name in self.kept:
+            w = kept_weights(self.plan, len(targets))
+        else:
+            w = scaled_weights(self.plan, targets, self.method.weights(self.plan, targets, fit), self.scale)
         if not np.any(w):  # an all-zero trajectory keeps the base values
             for _ in blocks:  # the planned reads are consumed all the same
                 pass
@@ -202,6 +210,20 @@ class _Pass:
         else:  # non-float, or a tensor without a trajectory: the base values
             base = self.base.read(name)
             yield None, [base.to(info.dtype)] * len(self.reports)
+
+
+def kept_tensors(names: list[str], patterns) -> set[str]:
+    """The trajectory tensors whose module type (or full name) matches one of the `--keep` patterns (fnmatch)."""
+    from fnmatch import fnmatchcase
+
+    kept: set[str] = set()
+    for pattern in patterns:
+        hits = {n for n in names if fnmatchcase(module_type(n), pattern) or fnmatchcase(n, pattern)}
+        if not hits:
+            types = sorted({module_type(n) for n in names})
+            raise RelexError(f"--keep {pattern!r} names no module type of this store; types: {', '.join(types)}")
+        kept |= hits
+    return kept
 
 
 def extrapolate_store(store: TrajectoryStore, out_dir: str | Path, config: ExtrapolateConfig, fit: FitResult | None = None) -> list[TargetReport]:
@@ -303,6 +325,8 @@ def _provenance(state: _Pass, report: TargetReport, fit: FitResult | None) -> di
         "window_steps": state.plan.window_steps.tolist(),
         "observed_steps": state.plan.steps.tolist(),
         "anchors": list(state.method.anchors(state.plan)) if hasattr(state.method, "anchors") else None,
+        "scale": state.scale,
+        "kept": sorted(state.kept),
         "fit_summary": fit.summary() if fit is not None and state.method.needs_fit else None,
         "store": str(state.store.path.resolve()),
         "base": str(state.store.base_dir.resolve()),

@@ -68,6 +68,26 @@ class RankRExtrapolation(Method):
         return fit.extrapolation_weights(plan.model, targets)
 
 
+@METHODS.register("relex-anchored")
+class AnchoredExtrapolation(Method):
+    """The fitted rank-r slope carried on from the last observed checkpoint itself:
+    Δ̂(s*) = Δ_last + (ĉ(s*) − ĉ(s_last)) V, so w = e_last + w_relex(s*) − w_relex(s_last).
+
+    The regression line of `relex` need not pass through the last real checkpoint; this one does, which is what
+    a train → jump → train loop wants (it continues from where training actually is)."""
+
+    name = "relex-anchored"
+    needs_fit = True
+
+    def weights(self, plan, targets, fit):
+        last_index = int(plan.window[-1])
+        last = np.eye(len(plan.steps))[last_index]
+        if fit.is_zero:
+            return np.tile(last, (len(targets), 1))
+        at_last = fit.extrapolation_weights(plan.model, np.asarray([plan.steps[last_index]]))
+        return last + fit.extrapolation_weights(plan.model, np.asarray(targets)) - at_last
+
+
 @METHODS.register("reconstruct")
 class Reconstruction(Method):
     """The oracle rank-r projection of an observed step: w = U_r U_rᵀ e_m."""
@@ -149,3 +169,29 @@ class PerParameterLine(Method):
 
 def get_method(name: str) -> Method:
     return METHODS.get(name)()
+
+
+# ---- options that apply to every method ----------------------------------------------------------------------------
+def scaled_weights(plan: Plan, targets: np.ndarray, w: np.ndarray, scale: float) -> np.ndarray:
+    """Shrink (λ < 1) or stretch the predicted displacement beyond the last observed step of the window:
+    Δ̂_λ(s*) = Δ_last + λ (Δ̂(s*) − Δ_last) for s* past it; targets inside the window are left alone."""
+    if scale == 1.0:
+        return w
+    last_index = int(plan.window[-1])
+    last = np.eye(len(plan.steps))[last_index]
+    beyond = np.asarray(targets) > plan.steps[last_index]
+    out = w.copy()
+    out[beyond] = last + scale * (w[beyond] - last)
+    return out
+
+
+def kept_weights(plan: Plan, count: int) -> np.ndarray:
+    """`--keep`: the tensor is copied from the last observed step of the window for every target (w = e_last)."""
+    return np.tile(np.eye(len(plan.steps))[int(plan.window[-1])], (count, 1))
+
+
+def check_scale(scale: float) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0 or scale != scale:
+        raise RelexError(f"--scale {scale!r}: give a positive number (1 leaves the prediction as it is, 0.5 halves "
+                         "the displacement beyond the last observed step)")
+    return float(scale)

@@ -108,6 +108,7 @@ class TrainConfig:
     grpo: dict[str, Any] = field(default_factory=dict)
     record: RecordConfig = field(default_factory=RecordConfig)
     out: str | None = None
+    accelerate: dict[str, Any] | None = None  # `relex accelerate`'s section (relex.accelerate.config); train ignores it
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
@@ -126,6 +127,7 @@ class TrainConfig:
             grpo=grpo_mapping(data.get("grpo")),
             record=section(RecordConfig, data.get("record"), "record"),
             out=data.get("out"),
+            accelerate=accelerate_mapping(data.get("accelerate")),
         )
 
     def verifier_name(self, task_verifier: str) -> str:
@@ -145,6 +147,8 @@ class TrainConfig:
         data = dataclasses.asdict(self)
         data["grpo"] = self.grpo_options()
         data["model"] = {k: v for k, v in data["model"].items() if v is not None}
+        if data["accelerate"] is None:
+            del data["accelerate"]
         return data
 
 
@@ -187,6 +191,13 @@ def task_spec(data: dict[str, Any] | str) -> TaskSpec:
     if not isinstance(data, dict):
         raise RelexError(f"task: expected a mapping of TaskSpec fields or a task name, got {data!r}")
     return TaskSpec.from_dict(data)
+
+
+def accelerate_mapping(data: Any) -> dict[str, Any] | None:
+    """The `accelerate` section as given; relex.accelerate.config checks its keys when `relex accelerate` reads it."""
+    if data is not None and not isinstance(data, dict):
+        raise RelexError(f"accelerate: expected a mapping of relex accelerate settings, got {data!r}")
+    return None if data is None else dict(data)
 
 
 def grpo_mapping(data: dict[str, Any] | None) -> dict[str, Any]:

@@ -216,8 +216,11 @@ def checkpoint_to_resume(run_dir: Path, config: TrainConfig) -> str | None:
 
 
 # ---- the trainer ------------------------------------------------------------------------------------------------
-def build_trainer(prepared: Prepared, *, show_progress: bool = True):
-    """TRL's GRPOTrainer with the task's prompts, the rewards, the DeltaRecorder and the step logger."""
+def build_trainer(prepared: Prepared, *, show_progress: bool = True, recorder=None):
+    """TRL's GRPOTrainer with the task's prompts, the rewards, the DeltaRecorder and the step logger.
+
+    `recorder` replaces the run's DeltaRecorder (relex accelerate passes its JumpController, which records each
+    segment into its own store); it runs after the step logger, so a step's log line is written before it acts."""
     from transformers import PrinterCallback
     from trl import GRPOTrainer
 
@@ -227,13 +230,17 @@ def build_trainer(prepared: Prepared, *, show_progress: bool = True):
     config, run_dir = prepared.config, prepared.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     write_config(run_dir / CONFIG_NAME, config, prepared.model_path)
-    recorder = DeltaRecorder(run_dir / STORE_NAME, every=config.record.every, delta_dtype=config.record.delta_dtype)
+    if recorder is None:
+        recorder = DeltaRecorder(run_dir / STORE_NAME, every=config.record.every, delta_dtype=config.record.delta_dtype)
+    logger = StepLogger(run_dir / LOG_NAME, recorder, show_progress=show_progress)
+    if hasattr(recorder, "step_logger"):
+        recorder.step_logger = logger
     trainer = GRPOTrainer(
         model=prepared.model_path,
         reward_funcs=prepared.reward_funcs,
         args=prepared.args,
         train_dataset=prepared.task.dataset("train"),
-        callbacks=[recorder, StepLogger(run_dir / LOG_NAME, recorder, show_progress=show_progress)],
+        callbacks=[logger, recorder],
     )
     trainer.remove_callback(PrinterCallback)  # it prints every log dict; log.jsonl and the bar replace it
     return trainer, recorder

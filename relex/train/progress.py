@@ -53,6 +53,20 @@ def rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
+REWARD_SLOPE_WINDOW = 4  # GRPO steps over which log.jsonl's `reward_slope` is taken
+
+
+def reward_slope(rewards, window: int = REWARD_SLOPE_WINDOW) -> float | None:
+    """The least-squares slope per step of the last `window` rewards (None with fewer than 2): at or below zero,
+    the reward has stopped rising, which is where extrapolation stops paying (relex.accelerate.warning)."""
+    import numpy as np
+
+    values = [r for r in list(rewards)[-window:] if r is not None]
+    if len(values) < 2:
+        return None
+    return float(np.polyfit(np.arange(len(values), dtype=np.float64), np.asarray(values, dtype=np.float64), 1)[0])
+
+
 def read_log(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
@@ -77,6 +91,7 @@ class StepLogger(TrainerCallback):
             return
         kept = [line for line in read_log(self.path) if line["step"] <= state.global_step]
         self.path.write_text("".join(json.dumps(line) + "\n" for line in kept))
+        self.lines = kept
         self._failures = _verifier_failures()
         self._last = time.perf_counter()
         if self.show_progress:
@@ -92,6 +107,7 @@ class StepLogger(TrainerCallback):
         line.update({ours: logs[theirs] for theirs, ours in TRL_KEYS.items() if theirs in logs})
         line["rewards"] = {k.split("/")[1]: v for k, v in logs.items() if k.startswith("rewards/") and k.endswith("/mean")}
         line["step_seconds"] = now - self._last
+        line["reward_slope"] = reward_slope([*(entry.get("reward") for entry in self.lines), line.get("reward")])
         line.update(self._recording(state.global_step))
         line["verifier_failures"] = self._new_failures()
         line["rss_mb"] = rss_mb()
@@ -103,6 +119,11 @@ class StepLogger(TrainerCallback):
         if self._bar is not None:
             self._bar.update(state.global_step - self._bar.n)
             self._bar.set_postfix(reward=f"{line['reward']:.3f}" if line["reward"] is not None else "n/a", refresh=False)
+
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` of work done between two steps (a jump decision) out of the next step's step_seconds."""
+        if self._last is not None:
+            self._last += seconds
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._bar is not None:

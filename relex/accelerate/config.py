@@ -1,0 +1,160 @@
+"""The `accelerate:` section of a train config: how `relex accelerate` alternates GRPO segments with jumps.
+
+    accelerate:
+      segment_steps: 4            # m: GRPO optimizer steps per segment (a jump decision after each)
+      alphas: [1.5, 2, 3]         # candidate horizons, as multiples of the segment: target = start + α·m
+      scales: [1.0]               # λ: shrink of the displacement predicted beyond the segment's last step
+      methods: [relex-anchored, relex]   # fitted line from the last real weights, and the regression line itself
+      rank: 1
+      keep: []                    # module types copied from the segment's last step (e.g. ['*norm.weight'])
+      validation_size: 64         # problems, disjoint from the train and test problems
+      margin: 0.05                # a jump may not be credibly worse than the current weights by more than this
+      min_gain: 0.0               # ... and must score at least this much above them on the validation problems
+      optimizer: keep             # reset (RL-Extra), keep, or rescale (see relex.accelerate.optimizer)
+      warning: {enabled: true, reward_window: 8, min_reward_slope: 0.0, min_r2: 0.5, min_explained_variance: 0.5, min_cosine: 0.0}
+      jump: true                  # false: the same loop and validation, never jumping (the plain control run)
+
+Every key is checked here, with one-line errors that say how to fix the input; flags of `relex accelerate`
+override the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from relex.errors import RelexError
+
+OPTIMIZER_POLICIES = ("reset", "keep", "rescale")
+
+
+@dataclass
+class WarningConfig:
+    """Thresholds of the early warning that linearity is breaking (relex.accelerate.warning).
+
+    reward_window: GRPO steps over which the reward's least-squares slope is taken; min_reward_slope: a slope at
+    or below it means the reward has stopped rising. min_r2, min_explained_variance: medians over tensors of the
+    segment fit's temporal R² and rank-1 explained variance. min_cosine: median over tensors of the cosine between
+    this segment's displacement and the previous one's (the direction drifts when it falls)."""
+
+    enabled: bool = True
+    reward_window: int = 8
+    min_reward_slope: float = 0.0
+    min_r2: float = 0.5
+    min_explained_variance: float = 0.5
+    min_cosine: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.reward_window) or self.reward_window < 2:
+            raise RelexError(f"accelerate.warning.reward_window: expected an integer ≥ 2, got {self.reward_window!r}")
+        for key in ("min_reward_slope", "min_r2", "min_explained_variance", "min_cosine"):
+            if not _is_number(getattr(self, key)):
+                raise RelexError(f"accelerate.warning.{key}: expected a number, got {getattr(self, key)!r}")
+
+
+@dataclass
+class AccelerateConfig:
+    segment_steps: int = 4
+    alphas: list[float] = field(default_factory=lambda: [1.5, 2.0, 3.0])
+    scales: list[float] = field(default_factory=lambda: [1.0])
+    methods: list[str] = field(default_factory=lambda: ["relex-anchored", "relex"])
+    rank: int = 1
+    keep: list[str] = field(default_factory=list)
+    validation_size: int = 64
+    margin: float = 0.05
+    min_gain: float = 0.0
+    optimizer: str = "keep"
+    warning: WarningConfig = field(default_factory=WarningConfig)
+    jump: bool = True
+    keep_candidates: bool = False  # keep every candidate folder (default: only their scores)
+    batch_size: int = 64  # validation generation batch
+    max_new_tokens: int | None = None  # validation completions (default: grpo.max_completion_length)
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.segment_steps) or self.segment_steps < 2:
+            raise RelexError(
+                f"accelerate.segment_steps: {self.segment_steps!r}; a segment needs at least 2 GRPO steps to fit a line"
+            )
+        self.alphas = _numbers(self.alphas, "alphas")
+        if any(a <= 1 for a in self.alphas):
+            raise RelexError(f"accelerate.alphas {self.alphas}: each α must be > 1 (α = 1 is the segment's own end)")
+        self.scales = _numbers(self.scales, "scales")
+        if any(s <= 0 for s in self.scales):
+            raise RelexError(f"accelerate.scales {self.scales}: each λ must be > 0 (λ = 1 keeps the prediction)")
+        if not isinstance(self.methods, list) or not self.methods:
+            raise RelexError("accelerate.methods: give one or more extrapolation methods, e.g. [relex-anchored, relex]")
+        from relex.extrapolate.methods import METHODS
+
+        for name in self.methods:
+            METHODS.get(name)  # an unknown name fails with the valid ones
+            if name in ("observed", "reconstruct"):
+                raise RelexError(f"accelerate.methods: {name!r} does not extrapolate; use relex, relex-anchored, two-point or per-param")
+        if not _is_int(self.rank) or self.rank < 1 or self.rank > self.segment_steps:
+            raise RelexError(f"accelerate.rank: expected an integer from 1 to segment_steps ({self.segment_steps}), got {self.rank!r}")
+        if isinstance(self.keep, str):
+            self.keep = [p.strip() for p in self.keep.split(",") if p.strip()]
+        if not isinstance(self.keep, list) or not all(isinstance(p, str) and p for p in self.keep):
+            raise RelexError(f"accelerate.keep: expected a list of module-type patterns, got {self.keep!r}")
+        if not _is_int(self.validation_size) or self.validation_size < 1:
+            raise RelexError(f"accelerate.validation_size: {self.validation_size!r}: the validation split is empty; the guard needs at least one problem")
+        if not _is_number(self.margin) or self.margin < 0 or not _is_number(self.min_gain):
+            raise RelexError(f"accelerate.margin {self.margin!r}, min_gain {self.min_gain!r}: expected numbers, margin ≥ 0")
+        if self.margin > 0 and self.validation_size * self.margin < 1:
+            raise RelexError(
+                f"accelerate.validation_size {self.validation_size} cannot resolve margin {self.margin}: one problem "
+                f"moves the accuracy by {1 / self.validation_size:.3f}; use at least {_ceil(1 / self.margin)} problems "
+                "or a larger margin"
+            )
+        if self.optimizer not in OPTIMIZER_POLICIES:
+            raise RelexError(f"accelerate.optimizer: unknown policy {self.optimizer!r}; valid: {', '.join(OPTIMIZER_POLICIES)}")
+        if self.warning is False:  # `warning: false` switches the early warning off
+            self.warning = WarningConfig(enabled=False)
+        if isinstance(self.warning, dict):
+            self.warning = section(WarningConfig, self.warning, "accelerate.warning")
+        for key in ("jump", "keep_candidates"):
+            if not isinstance(getattr(self, key), bool):
+                raise RelexError(f"accelerate.{key}: expected true or false, got {getattr(self, key)!r}")
+        if not _is_int(self.batch_size) or self.batch_size < 1:
+            raise RelexError(f"accelerate.batch_size: expected a positive integer, got {self.batch_size!r}")
+        if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 1):
+            raise RelexError(f"accelerate.max_new_tokens: expected a positive integer, got {self.max_new_tokens!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> "AccelerateConfig":
+        return section(cls, data, "accelerate")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def section(cls, data: dict[str, Any] | None, where: str):
+    if data is None:
+        return cls()
+    if not isinstance(data, dict):
+        raise RelexError(f"{where}: expected a mapping, got {data!r}")
+    valid = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in valid:
+            raise RelexError(f"{where}: unknown key {key!r}; valid keys: {', '.join(valid)}")
+    return cls(**data)
+
+
+def _numbers(values: Any, key: str) -> list[float]:
+    if _is_number(values):
+        values = [values]
+    if not isinstance(values, list) or not values or not all(_is_number(v) for v in values):
+        raise RelexError(f"accelerate.{key}: expected a list of numbers, got {values!r}")
+    return [float(v) for v in values]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _ceil(value: float) -> int:
+    return int(-(-value // 1))

@@ -1,0 +1,69 @@
+"""The guard of a jump: score candidates and the current weights on the same validation problems, paired.
+
+The best candidate (highest validation accuracy; a tie goes to the farther target) is taken only when
+
+    mean(candidate − current) ≥ min_gain   and   the paired 95% interval's lower end ≥ −margin,
+
+that is, when it scores at least `min_gain` above the current weights and the validation problems rule out a loss
+larger than `margin` (a non-inferiority test on paired problems). Otherwise the run keeps its weights and trains on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from relex.evaluate.metrics import paired_bootstrap_diff
+
+
+@dataclass
+class Candidate:
+    """One candidate checkpoint of a jump: which method, horizon and shrink made it, and how it scored."""
+
+    method: str
+    alpha: float  # target = start + α × segment length, in GRPO steps
+    scale: float  # λ
+    target: int  # the GRPO-step equivalent of the candidate
+    path: Path | None = None
+    accuracy: float | None = None
+    correct: list[float] = field(default_factory=list, repr=False)
+    diff: float | None = None  # paired difference against the current weights
+    ci_low: float | None = None
+    ci_high: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.method} α={self.alpha:g} λ={self.scale:g}"
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.pop("correct")
+        out["path"] = None if self.path is None else str(self.path)
+        out["name"] = self.name
+        return out
+
+
+@dataclass
+class Decision:
+    jump: bool
+    chosen: Candidate | None
+    reason: str
+
+
+def compare(candidates: list[Candidate], current: list[float], seed: int = 0) -> None:
+    """Each candidate's paired difference against the current weights, with its 95% bootstrap interval."""
+    for candidate in candidates:
+        candidate.diff, candidate.ci_low, candidate.ci_high = paired_bootstrap_diff(candidate.correct, current, seed=seed)
+
+
+def decide(candidates: list[Candidate], current: list[float], *, margin: float, min_gain: float, seed: int = 0) -> Decision:
+    """The guard: the best candidate if it is credibly no worse than `margin` and gains at least `min_gain`."""
+    if not candidates:
+        return Decision(False, None, "no candidate")
+    compare(candidates, current, seed)
+    best = max(candidates, key=lambda c: (c.accuracy, c.target))
+    if best.diff < min_gain:
+        return Decision(False, best, f"best candidate ({best.name}) gains {best.diff:+.3f} < {min_gain:+.3f}")
+    if best.ci_low < -margin:
+        return Decision(False, best, f"best candidate ({best.name}) may lose up to {-best.ci_low:.3f} > margin {margin:.3f}")
+    return Decision(True, best, f"{best.name} gains {best.diff:+.3f} [{best.ci_low:+.3f}, {best.ci_high:+.3f}]")

@@ -1,0 +1,43 @@
+"""`run_accelerate`: a `relex train` run whose trainer carries the JumpController (relex.accelerate.loop)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from relex.accelerate.config import AccelerateConfig
+from relex.accelerate.loop import JumpController, ValidationScorer
+from relex.accelerate.validation import validation_split
+from relex.train.config import TrainConfig
+from relex.train.grpo import build_trainer, prepare
+
+
+def accelerate_config(config: TrainConfig, **overrides) -> AccelerateConfig:
+    """The config's `accelerate:` section with the flags that were given (not None) on top."""
+    data = dict(config.accelerate or {})
+    data.update({key: value for key, value in overrides.items() if value is not None})
+    return AccelerateConfig.from_dict(data)
+
+
+def run_accelerate(config: TrainConfig, accelerate: AccelerateConfig | None = None, *, resume: bool = False,
+                   show_progress: bool = True, scorer=None) -> Path:
+    """Train with jumps; returns the run folder. `scorer` replaces the validation scorer (tests inject one)."""
+    accelerate = accelerate or accelerate_config(config)
+    config.accelerate = accelerate.to_dict()  # the run's config.yaml states what the loop used
+    prepared = prepare(config, resume=resume)
+    grpo = prepared.args
+    grpo.save_steps = accelerate.segment_steps  # checkpoints at segment ends, after each decision
+    if scorer is None:
+        task = validation_split(config.task, accelerate.validation_size, prepared.task.rows("train"))
+        max_new_tokens = accelerate.max_new_tokens or grpo.max_completion_length
+        scorer = ValidationScorer(task, accelerate.validation_size, accelerate.batch_size, max_new_tokens, seed=grpo.seed)
+    if show_progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    controller = JumpController(
+        prepared.run_dir, accelerate, scorer, delta_dtype=config.record.delta_dtype,
+        rollouts_per_step=grpo.per_device_train_batch_size * grpo.gradient_accumulation_steps * grpo.world_size,
+    )
+    trainer, _ = build_trainer(prepared, show_progress=show_progress, recorder=controller)
+    trainer.train(resume_from_checkpoint=prepared.resume_from)
+    return prepared.run_dir

@@ -1,0 +1,70 @@
+"""`relex accelerate --config FILE --out RUN`: GRPO segments alternating with guarded jumps; flags override the file."""
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="YAML train config with an optional `accelerate:` section (e.g. configs/tiny.yaml); with --resume, default RUN/config.yaml")
+    parser.add_argument("--out", metavar="RUN", help="run folder; overrides `out`")
+    parser.add_argument("--max-steps", type=int, help="GRPO optimizer steps in all (jumps are not steps); overrides grpo.max_steps")
+    group = parser.add_argument_group("the loop (each overrides the accelerate: section)")
+    group.add_argument("--segment-steps", type=int, metavar="M", help="GRPO steps per segment, a jump decision after each (default 4)")
+    group.add_argument("--alphas", metavar="A,B", help="candidate horizons as multiples of the segment, each > 1 (default 1.5,2,3)")
+    group.add_argument("--scales", metavar="L,..", help="λ: shrink of the displacement beyond the segment's end, each > 0 (default 1)")
+    group.add_argument("--methods", metavar="M,..", help="extrapolation methods of the candidates (default relex-anchored,relex)")
+    group.add_argument("--keep", metavar="TYPES", help="module types copied from the segment's end instead of extrapolated, e.g. '*norm.weight'")
+    group.add_argument("--optimizer", help="optimizer state after a jump: reset, keep (default) or rescale")
+    group.add_argument("--validation-size", type=int, metavar="N", help="validation problems, disjoint from train and test (default 64)")
+    group.add_argument("--margin", type=float, help="largest loss the paired interval may leave open for a jump (default 0.05)")
+    group.add_argument("--min-gain", type=float, help="validation gain a jump needs over the current weights (default 0)")
+    group.add_argument("--no-jump", action="store_true", help="run the same loop and validation but never jump (the plain control)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint (needs record.resumable)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (log.jsonl is still written)")
+
+
+def _list(text, cast, flag):
+    from relex.errors import RelexError
+
+    if text is None:
+        return None
+    try:
+        values = [cast(part.strip()) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise RelexError(f"{flag} {text!r}: give comma-separated values like 1.5,2,3") from None
+    if not values:
+        raise RelexError(f"{flag} {text!r}: give at least one value")
+    return values
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from relex.accelerate import run_accelerate
+    from relex.accelerate.loop import read_jumps
+    from relex.accelerate.run import accelerate_config
+    from relex.cli.common import console, table
+    from relex.errors import RelexError
+    from relex.train import load_config
+
+    config_file = args.config
+    if config_file is None:
+        if not (args.resume and args.out):
+            raise RelexError("give --config FILE (or --resume --out RUN to continue a run with its own config)")
+        config_file = Path(args.out) / "config.yaml"
+    config = load_config(config_file, out=args.out, max_steps=args.max_steps)
+    keep = _list(args.keep, str, "--keep")
+    if args.keep is not None and not keep:
+        raise RelexError(f"--keep {args.keep!r} names no module type; give patterns like '*norm.weight'")
+    accelerate = accelerate_config(
+        config, segment_steps=args.segment_steps, alphas=_list(args.alphas, float, "--alphas"),
+        scales=_list(args.scales, float, "--scales"), methods=_list(args.methods, str, "--methods"), keep=keep,
+        optimizer=args.optimizer, validation_size=args.validation_size, margin=args.margin, min_gain=args.min_gain,
+        jump=False if args.no_jump else None,
+    )
+    run_dir = run_accelerate(config, accelerate, resume=args.resume, show_progress=not args.no_progress)
+    rows = [[j["step"], "jump" if j["jumped"] else "kept", j["chosen"]["name"] if j["chosen"] else "—",
+             j["validation_accuracy_before"], j["validation_accuracy_after"], j["virtual_step_after"]]
+            for j in read_jumps(run_dir)]
+    console.print(table(f"jump decisions in {run_dir}", ["step", "decision", "candidate", "val. before", "val. after", "as if step"], rows))
+    for j in read_jumps(run_dir):
+        console.print(f"step {j['step']}: {j['reason']}")
+    print(f"run written to {run_dir} (jumps: {run_dir / 'jumps.jsonl'}, final weights: {run_dir / 'final'})")
+    return 0

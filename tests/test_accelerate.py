@@ -1,0 +1,232 @@
+"""relex accelerate: the train → jump → train loop on configs/tiny.yaml, its guard, optimizer policies, resume,
+bad input; and the baselines it shares with relex extrapolate (--scale, --keep, relex-anchored) against closed forms."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from relex.accelerate import AccelerateConfig, run_accelerate
+from relex.accelerate.decision import Candidate, decide
+from relex.accelerate.loop import read_jumps
+from relex.accelerate.optimizer import apply_policy
+from relex.accelerate.validation import read_folder, validation_split
+from relex.errors import RelexError
+from relex.extrapolate import ExtrapolateConfig, extrapolate_store
+from relex.fit import FitConfig
+from relex.store import TrajectoryStore
+from relex.train import load_config
+from tests.conftest import cli
+from tests.test_fit_extrapolate import OBSERVED, relex64, store, trajectory64  # noqa: F401 - store is a fixture
+
+TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+
+
+def scorer_preferring(candidates: bool):
+    """An injected validation scorer: every candidate scores 1 and the current weights 0, or the other way round."""
+    calls = []
+
+    def score(model, tokenizer, states, restore):
+        calls.append(list(states))
+        return {name: [float((name != "current") == candidates)] * 20 for name in states}
+
+    score.calls = calls
+    return score
+
+
+def accelerate_run(tmp_path, scorer, *, max_steps=3, name="run", resume=False, **overrides):
+    config = load_config(TINY, out=tmp_path / name, max_steps=max_steps)
+    data = {**config.accelerate, "keep_candidates": True, **overrides}
+    return run_accelerate(config, AccelerateConfig.from_dict(data), resume=resume, show_progress=False, scorer=scorer)
+
+
+def tensors_of_store_step(store: TrajectoryStore, step: int) -> dict[str, torch.Tensor]:
+    """θ_base + Δ_step of every trajectory tensor of a store (step 0: the base)."""
+    base = {}
+    for shard in store.base_dir.glob("*.safetensors"):
+        base.update(load_file(str(shard)))
+    if step == 0:
+        return {n: base[n] for n in store.trajectory_names}
+    reader = store.reader([step])
+    return {n: base[n] + reader.read(n).reshape(base[n].shape) for n in store.trajectory_names}
+
+
+@pytest.mark.parametrize("policy", ["keep", "reset", "rescale"])
+def test_two_segments_with_a_jump(tmp_path, policy):
+    scorer = scorer_preferring(candidates=True)
+    run = accelerate_run(tmp_path, scorer, optimizer=policy)
+    jumps = read_jumps(run)
+    assert [j["step"] for j in jumps] == [2, 3]
+    first = jumps[0]
+    assert first["jumped"] and first["optimizer"] == policy
+    # 2 methods × 2 horizons, scored with the current weights; a tie between candidates goes to the farthest target
+    assert len(first["candidates"]) == 4 and len(scorer.calls[0]) == 5
+    assert first["chosen"]["target"] == 4 and first["virtual_step_after"] == 4
+    assert jumps[1]["reason"] == "the segment has 1 step; a fit needs 2"
+    assert set(first["seconds"]) == {"fit", "candidates", "validation", "policy"}
+    # the second segment starts from the chosen candidate's weights, and its store says so
+    second = TrajectoryStore.open(run / "segments" / "001")
+    origin = second.manifest["created_by"]["origin"]
+    assert origin["jump"] and origin["target"] == 4 and second.manifest["created_by"]["segment_start_step"] == 2
+    chosen = read_folder(first["chosen"]["path"])
+    for name, value in tensors_of_store_step(second, 0).items():
+        torch.testing.assert_close(value, chosen[name], rtol=0, atol=0)
+    assert [line["step"] for line in map(json.loads, (run / "log.jsonl").read_text().splitlines())] == [1, 2, 3]
+    summary = json.loads((run / "accelerate-summary.json").read_text())
+    assert summary["grpo_steps"] == 3 and summary["jumps"] == 1 and summary["virtual_steps"] == 5
+    assert (run / "final" / "config.json").is_file()
+
+
+def test_the_guard_forbids_a_jump_that_scores_worse(tmp_path):
+    run = accelerate_run(tmp_path, scorer_preferring(candidates=False))
+    first = read_jumps(run)[0]
+    assert not first["jumped"] and "gains -1.000" in first["reason"]
+    assert first["validation_accuracy_after"] == first["validation_accuracy_before"] == 1.0
+    # training went on from the real weights of step 2
+    first_store, second = (TrajectoryStore.open(run / "segments" / name) for name in ("000", "001"))
+    real = tensors_of_store_step(first_store, 2)
+    for name, value in tensors_of_store_step(second, 0).items():
+        torch.testing.assert_close(value, real[name], rtol=0, atol=1e-7)
+    assert not second.manifest["created_by"]["origin"]["jump"]
+
+
+def test_resume_across_a_jump(tmp_path):
+    scorer = scorer_preferring(candidates=True)
+    run = accelerate_run(tmp_path, scorer, max_steps=2)
+    assert [j["step"] for j in read_jumps(run)] == [2] and (run / "checkpoints" / "checkpoint-2").is_dir()
+    accelerate_run(tmp_path, scorer, max_steps=4, resume=True)
+    jumps = read_jumps(run)
+    assert [j["step"] for j in jumps] == [2, 4] and all(j["jumped"] for j in jumps)
+    lines = [json.loads(line)["step"] for line in (run / "log.jsonl").read_text().splitlines()]
+    assert lines == [1, 2, 3, 4]
+    second = TrajectoryStore.open(run / "segments" / "001")
+    assert second.steps == [1, 2] and second.manifest["created_by"]["segment_start_step"] == 2
+
+
+def test_the_readme_command_runs_with_real_validation(tmp_path):
+    run = tmp_path / "run"
+    assert cli("accelerate", "--config", TINY, "--out", run, "--no-progress") == 0
+    jumps = read_jumps(run)
+    assert len(jumps) == 2 and jumps[0]["validation_n"] == 20
+    assert len(list((run / "segments").iterdir())) >= 2
+    assert not (run / "jumps" / "000" / "candidates").exists()  # scored, then removed
+
+
+# ---- the guard ------------------------------------------------------------------------------------------------------
+def candidate(correct, target=4):
+    c = Candidate("relex-anchored", target / 2, 1.0, target)
+    c.correct, c.accuracy = correct, float(np.mean(correct))
+    return c
+
+
+def test_decide_is_a_paired_non_inferiority_test():
+    current = [1.0] * 40 + [0.0] * 24
+    better = candidate([1.0] * 46 + [0.0] * 18)  # six more problems right, none lost
+    assert decide([better], current, margin=0.05, min_gain=0.0).jump
+    noisy = candidate([0.0] * 10 + [1.0] * 30 + [1.0] * 10 + [0.0] * 14)  # +10 and −10: equal mean, wide interval
+    decision = decide([noisy], current, margin=0.05, min_gain=0.0)
+    assert not decision.jump and "may lose" in decision.reason
+    assert not decide([better], current, margin=0.05, min_gain=0.2).jump
+
+
+# ---- optimizer policies -----------------------------------------------------------------------------------------------
+def adam_with_state():
+    param = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([param], lr=0.1, betas=(0.9, 0.99))
+    for _ in range(2):
+        param.grad = torch.tensor([1.0, -2.0, 3.0])
+        optimizer.step()
+    return param, optimizer
+
+
+def test_optimizer_policies_against_closed_forms():
+    param, optimizer = adam_with_state()
+    before = {k: v.clone() for k, v in optimizer.state[param].items()}
+    apply_policy(optimizer, "keep", 3)
+    for key, value in optimizer.state[param].items():
+        torch.testing.assert_close(value, before[key])
+    apply_policy(optimizer, "rescale", 3)
+    state = optimizer.state[param]
+    torch.testing.assert_close(state["exp_avg"], before["exp_avg"] * 0.9**3)
+    torch.testing.assert_close(state["exp_avg_sq"], before["exp_avg_sq"] * 0.99**3)
+    assert float(state["step"]) == float(before["step"]) + 3
+    apply_policy(optimizer, "reset", 3)
+    assert not optimizer.state
+
+
+# ---- bad input --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--segment-steps", "1"], "at least 2 GRPO steps"),
+        (["--alphas", "1.0,2"], "each α must be > 1"),
+        (["--scales", "0"], "each λ must be > 0"),
+        (["--optimizer", "sgd"], "unknown policy 'sgd'"),
+        (["--validation-size", "0"], "the validation split is empty"),
+        (["--validation-size", "10", "--margin", "0.05"], "cannot resolve margin 0.05"),
+        (["--keep", ","], "--keep ',': give at least one value"),
+        (["--methods", "observed"], "does not extrapolate"),
+    ],
+)
+def test_bad_loop_settings_fail_in_one_line_before_anything_is_written(tmp_path, capsys, flags, message):
+    run = tmp_path / "run"
+    assert cli("accelerate", "--config", TINY, "--out", run, *flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not run.exists()
+
+
+def test_keep_naming_no_module_type_of_the_model_fails_at_the_first_jump(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert cli("accelerate", "--config", TINY, "--out", run, "--keep", "nothing_like_this") == 2
+    assert "names no module type of this store" in capsys.readouterr().err
+
+
+def test_a_validation_split_overlapping_train_is_refused():
+    config = load_config(TINY)
+    from relex.sweep import validation_task
+
+    rows = validation_task(config.task, 20).rows("eval")
+    with pytest.raises(RelexError, match="also occur in the train split"):
+        validation_split(config.task, 20, train_rows=rows[:3])
+
+
+# ---- the baselines, closed forms on planted data -------------------------------------------------------------------------
+def read_out(folder: Path, name: str) -> torch.Tensor:
+    return load_file(str(next(folder.glob("*.safetensors"))))[name].double().reshape(-1)
+
+
+def test_scale_keep_and_anchored_equal_closed_forms(planted, store, tmp_path):
+    base, run, _ = planted
+    name, norm = "model.layers.1.mlp.up_proj.weight", "model.layers.0.input_layernorm.weight"
+    theta0, m = trajectory64(base, run, OBSERVED, name)
+    last = m[-1]
+    fit = FitConfig(observe_until=OBSERVED[-1], device="cpu")
+    outputs = {}
+    for label, method, scale, keep in [("anchored", "relex-anchored", 1.0, ()), ("scaled", "relex", 0.4, ("*layernorm.weight",))]:
+        config = ExtrapolateConfig(targets=[20, 30], method=method, fit=fit, scale=scale, keep=keep)
+        extrapolate_store(store, tmp_path / label, config)
+        outputs[label] = tmp_path / label
+    for target in (20, 30):
+        anchored = theta0 + last + relex64(m, OBSERVED, target) - relex64(m, OBSERVED, OBSERVED[-1])
+        torch.testing.assert_close(read_out(outputs["anchored"] / f"step-{target}", name), anchored, rtol=0, atol=2e-6)
+        scaled = theta0 + last + 0.4 * (relex64(m, OBSERVED, target) - last)
+        torch.testing.assert_close(read_out(outputs["scaled"] / f"step-{target}", name), scaled, rtol=0, atol=2e-6)
+        norm0, norm_m = trajectory64(base, run, OBSERVED, norm)
+        torch.testing.assert_close(read_out(outputs["scaled"] / f"step-{target}", norm), norm0 + norm_m[-1], rtol=0, atol=1e-6)
+    provenance = json.loads((outputs["scaled"] / "step-20" / "relex.json").read_text())
+    assert provenance["scale"] == 0.4 and norm in provenance["kept"]
+
+
+def test_keep_naming_nothing_and_bad_scale_fail_in_one_line(store, tmp_path, capsys):
+    store = store.path
+    assert cli("extrapolate", store, "--targets", "20", "--out", tmp_path / "a", "--keep", "no_such_type") == 2
+    assert "names no module type" in capsys.readouterr().err
+    assert cli("extrapolate", store, "--targets", "20", "--out", tmp_path / "b", "--scale", "-1") == 2
+    assert "--scale" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
