@@ -1,16 +1,12 @@
 """Verifier tests: tables of real and hand-written completions with the verdict each must get.
 
-The real table is 544 SmolLM2-135M completions from a GRPO run on chain_sum whose naive verifier (math-verify
-on the whole completion) was gamed by restating the question. Verdicts come from an independent oracle here,
-never from the recorded `naive_reward`.
+The `math` verifier's tables (real SmolLM2 completions, Math-Verify's own cases, hack attempts) are in
+test_verifier_math.py and the `code` verifier's escapes in test_verifier_code.py.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import threading
-from pathlib import Path
 
 import pytest
 
@@ -25,9 +21,6 @@ from relex.verifiers import (
     reset_verifier_failures,
     verifier_failures,
 )
-from relex.verifiers.math_answer import too_costly_to_check
-
-SMOLLM2_ROWS = Path(__file__).parent / "data" / "smollm2-grpo-completions.jsonl"
 
 
 @pytest.fixture(autouse=True)
@@ -99,6 +92,8 @@ def test_relex_errors_inside_a_verifier_are_not_swallowed():
         ("a half is 1/2", "1/2"),
         ("3,4", "4"),
         ("5th place, 10x faster", None),
+        ("x = \uff13\uff18", "38"),  # full-width digits
+        ("\u0663\u0668", "38"),  # Arabic-Indic digits
         ("None", None),
     ],
 )
@@ -110,121 +105,6 @@ def test_completion_text_accepts_plain_and_conversational():
     assert completion_text("hi") == "hi"
     assert completion_text([{"role": "assistant", "content": "\\boxed{3}"}]) == "\\boxed{3}"
     assert completion_text([{"role": "assistant", "content": [{"type": "text", "text": "7"}]}]) == "7"
-
-
-# ---------------------------------------------------------------------------------------------------- math
-
-
-def oracle_correct(text: str, gold: str) -> bool:
-    """Independent of relex: last `\\boxed{}` without nested braces, else last integer, equal to gold."""
-    boxes = re.findall(r"\\boxed\{([^{}]*)\}", text)
-    candidate = boxes[-1].strip() if boxes else (re.findall(r"-?\d+", text) or [""])[-1]
-    return re.fullmatch(r"-?\d+", candidate) is not None and int(candidate) == int(gold)
-
-
-@pytest.fixture(scope="module")
-def smollm2_rows() -> list[dict]:
-    rows = [json.loads(line) for line in SMOLLM2_ROWS.read_text().splitlines()]
-    math = get_verifier("math")
-    for row, value in zip(rows, math([r["completion"] for r in rows], answer=[r["gold"] for r in rows]), strict=True):
-        row["math"] = value
-    return rows
-
-
-def test_math_agrees_with_oracle_on_every_real_completion(smollm2_rows):
-    assert len(smollm2_rows) == 544
-    disagreements = [r for r in smollm2_rows if r["math"] != float(oracle_correct(r["completion"], r["gold"]))]
-    assert disagreements == []
-
-
-def test_math_scores_restated_questions_zero(smollm2_rows):
-    naive_right = [r for r in smollm2_rows if r["naive_reward"] == 1.0]
-    gamed = [r for r in naive_right if r["math"] == 0.0]
-    restated = [r for r in gamed if r["completion"].startswith("To find the answer to ")]
-    print(f"naive 1.0: {len(naive_right)}; of those math 0.0: {len(gamed)}, restating the question: {len(restated)}")
-    assert (len(naive_right), len(gamed), len(restated)) == (248, 193, 181)
-    assert not any(oracle_correct(r["completion"], r["gold"]) for r in gamed)
-    example = next(r for r in gamed if r["completion"].startswith("To find the answer to 62 - 24, we"))
-    assert example["gold"] == "38"
-
-
-def test_math_counts_on_real_completions(smollm2_rows):
-    assert sum(r["math"] for r in smollm2_rows) == 57
-    assert verifier_failures() == {}
-
-
-@pytest.mark.parametrize(
-    ("completion", "gold", "expected"),
-    [
-        ("62 - 24 = \\boxed{38}", "38", 1.0),
-        ("The answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),
-        ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
-        ("\\boxed{\\dfrac{3}{4}}", "3/4", 1.0),
-        ("\\boxed{-7}", "-7", 1.0),
-        ("11 - 18 = -7", "-7", 1.0),
-        ("11 - 18 = 7", "-7", 0.0),
-        ("The answer is 1,234.", "1234", 1.0),
-        ("\\boxed{1,234}", "1234", 1.0),
-        ("\\boxed{x = 5}", "5", 1.0),
-        ("\\boxed{2\\sqrt{3}}", "\\sqrt{12}", 1.0),
-        ("\\boxed{2^{10}}", "1024", 1.0),
-        ("I think \\boxed{5} no wait \\boxed{6}", "5", 0.0),
-        ("The answer is 38. Check: 62 - 24", "38", 0.0),
-        ("To find the answer to 62 - 24, we need to subtract.", "38", 0.0),
-        ("To find the answer to 9 + 6, we", "15", 0.0),
-        ("I cannot answer that.", "38", 0.0),
-        ("The answer is \\boxed{}.", "38", 0.0),
-        ("\\boxed{9^{9^{9}}}", "5", 0.0),  # too costly to check; exact evaluation would never finish
-        ("\\boxed{" + "1+" * 200 + "1}", "201", 0.0),  # over-long answer
-        ([{"role": "assistant", "content": "\\boxed{14}"}], "14", 1.0),
-    ],
-)
-def test_math_table(completion, gold, expected):
-    assert score("math", completion, answer=gold) == expected
-
-
-@pytest.mark.parametrize(
-    ("answer", "too_costly"),
-    [
-        ("2^{10}", False),
-        ("x^2 + y^{2}", False),
-        ("99999^{99999}", False),
-        ("5!", False),
-        ("9^{9^{9}}", True),
-        ("9^\\left(9^9\\right)", True),
-        ("10^{1000000}", True),
-        ("1000000!", True),
-        ("9^{99}!", True),
-        ("\\binom{10^{5}}{3}", True),
-    ],
-)
-def test_answers_too_costly_to_check(answer, too_costly):
-    assert too_costly_to_check(answer) == too_costly
-
-
-def test_math_works_outside_the_main_thread():
-    results = []
-    worker = threading.Thread(target=lambda: results.append(score("math", "\\boxed{\\frac{1}{2}}", answer="0.5")))
-    worker.start()
-    worker.join()
-    assert results == [1.0]
-    assert verifier_failures() == {}
-
-
-def test_math_library_crash_scores_zero_and_is_counted(monkeypatch):
-    import math_verify
-
-    def crash(*args, **kwargs):
-        raise RuntimeError("sympy blew up")
-
-    monkeypatch.setattr(math_verify, "verify", crash)
-    assert get_verifier("math")(["\\boxed{1}", "\\boxed{2}", "no answer"], answer=["1", "1", "1"]) == [0.0, 0.0, 0.0]
-    assert verifier_failures() == {"math": 2}
-
-
-def test_unparsable_gold_is_an_error():
-    with pytest.raises(RelexError, match="gold answer"):
-        score("math", "\\boxed{1}", answer="")
 
 
 # ---------------------------------------------------------------------------------------------------- format
@@ -239,6 +119,8 @@ def test_unparsable_gold_is_an_error():
         ("The answer is \\boxed{}.", 0.0),
         ("\\boxed{ }", 0.0),
         ("\\boxed{4", 0.0),
+        ("\\boxed{" * 20_000 + "x", 0.0),  # unclosed boxes: one pass, not one scan per box
+        ("\\boxed{" * 20_000 + "x}", 1.0),
         ([{"role": "assistant", "content": "\\boxed{x}"}], 1.0),
     ],
 )
@@ -360,44 +242,3 @@ def test_json_schema_accepts_schema_as_json_text():
 def test_invalid_schema_is_an_error():
     with pytest.raises(RelexError, match="invalid JSON Schema"):
         score("json_schema", "{}", schema={"type": "no-such-type"})
-
-
-# ---------------------------------------------------------------------------------------------------- code
-
-ADD_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0"
-
-
-@pytest.mark.parametrize(
-    ("completion", "expected"),
-    [
-        ("def add(a, b):\n    return a + b", 1.0),
-        ("Sure!\n```python\ndef add(a, b):\n    return a + b\n```\nThis adds.", 1.0),
-        ("```python\ndef add(a, b):\n    return a - b\n```\n```python\ndef add(a, b):\n    return a + b\n```", 1.0),
-        ("```python\ndef add(a, b):\n    return a + b\n```\n```python\ndef add(a, b):\n    return a - b\n```", 0.0),
-        ("from __future__ import annotations\ndef add(a: int, b: int) -> int:\n    return a + b", 1.0),
-        ("def add(a, b):\n    return a - b", 0.0),
-        ("def add(a, b)\n    return a + b", 0.0),  # syntax error
-        ("import sys\nsys.exit(0)", 0.0),  # leaving before the tests run
-        ("import os\nos._exit(0)", 0.0),
-        ("while True:\n    pass", 0.0),  # hangs: killed at the timeout
-        ("import os\nwhile True:\n    os.fork()", 0.0),  # fork bomb
-        ("import subprocess\nsubprocess.run(['true'])\ndef add(a, b):\n    return a + b", 0.0),
-        ("import threading\nthreading.Thread(target=print).start()\ndef add(a, b):\n    return a + b", 0.0),
-        ("x = bytearray(10**10)\ndef add(a, b):\n    return a + b", 0.0),  # memory hog
-        ("import socket\nsocket.create_connection(('127.0.0.1', 9))\ndef add(a, b):\n    return a + b", 0.0),
-        ("import ctypes\ndef add(a, b):\n    return a + b", 0.0),
-        ("open('big', 'wb').write(b'x' * 10**8)\ndef add(a, b):\n    return a + b", 0.0),  # file size limit
-    ],
-)
-def test_code_table(completion, expected):
-    assert score("code", completion, tests=ADD_TESTS, timeout=3) == expected
-
-
-def test_code_tests_as_a_list_of_asserts():
-    completions = ["def add(a, b):\n    return a + b", "def add(a, b):\n    return 5"]
-    tests = [["assert add(2, 3) == 5", "assert add(1, 1) == 2"]] * 2
-    assert get_verifier("code")(completions, tests=tests, timeout=3) == [1.0, 0.0]
-
-
-def test_code_gets_empty_stdin():
-    assert score("code", "x = input()", tests="", timeout=3) == 0.0  # EOFError instead of waiting for input
