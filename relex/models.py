@@ -243,8 +243,9 @@ def resolve_model(name_or_path: str) -> str:
         raise RelexError(f"{path}: is a file; expected a Hugging Face model folder")
     if _looks_like_path(name_or_path):
         raise RelexError(f"{name_or_path}: no such model folder")
-    # Anything else is a Hugging Face hub id ("org/name"): its snapshot in the local cache, downloaded if needed.
-    return str(download_model(name_or_path))
+    # Anything else is a Hugging Face hub id ("org/name"), passed on as it is: transformers and vLLM download it
+    # (`download_model` fetches it here instead, with a one-line message when the hub cannot be reached).
+    return name_or_path
 
 
 # files of a hub repository that a model folder needs (no pickled weights, no GGUF or ONNX copies)

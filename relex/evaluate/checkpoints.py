@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -40,6 +41,11 @@ def parse_checkpoint(text: str) -> CheckpointRef:
     model = resolve_model(text)  # refuses a folder without config.json, or a missing path
     if Path(model).is_dir():
         weight_files(Path(model))  # refuses a folder without (safetensors) weights, naming it
+        if not has_tokenizer(Path(model)):
+            raise RelexError(
+                f"checkpoint {text}: the folder holds no tokenizer ({', '.join(TOKENIZER_FILES)}); copy the tokenizer "
+                "files of the model it was made from into it"
+            )
     return CheckpointRef(label=text, model=model)
 
 
@@ -48,8 +54,24 @@ def _store_step(text: str, store: Path, step: int) -> CheckpointRef:
 
     if not store.is_dir():
         raise RelexError(f"checkpoint {text}: no trajectory store folder {store}")
-    TrajectoryStore.open(store).entry(step)  # checked now; names the recorded steps when `step` is not one
+    opened = TrajectoryStore.open(store)
+    opened.entry(step)  # checked now; names the recorded steps when `step` is not one
+    base = os.path.normpath(opened.base_dir)
+    if not has_tokenizer(Path(base)):  # a store step is written with its base's tokenizer files
+        raise RelexError(
+            f"checkpoint {text}: the store recorded no tokenizer (its base {base} has none of "
+            f"{', '.join(TOKENIZER_FILES)}); copy the model's tokenizer files into {base}, or record with one: "
+            "DeltaRecorder saves the tokenizer of a Trainer made with processing_class=tokenizer"
+        )
     return CheckpointRef(label=text, store=store, step=step)
+
+
+# a fast tokenizer's file, or the vocabulary a slow one is built from
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def has_tokenizer(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in TOKENIZER_FILES) or any(folder.glob("*.tiktoken"))
 
 
 @contextmanager
