@@ -179,15 +179,28 @@ def loaded_task(task) -> tuple[object, dict]:
 def checkpoint_generators(checkpoints: Sequence[str], settings: EvalSettings) -> GeneratorFactory:
     """Checks every checkpoint now (before hours of generation), then opens them one at a time."""
     from relex.evaluate.checkpoints import parse_checkpoint
+    from relex.evaluate.logits import check_logits_spec, is_logits_spec, parse_logits_spec
 
-    refs = {text: parse_checkpoint(text) for text in checkpoints}
+    refs = {}
+    for text in checkpoints:
+        if is_logits_spec(text):  # logits(A,B,ALPHA): decode-time extrapolation of two checkpoints
+            spec = parse_logits_spec(text)
+            refs[text] = (spec, check_logits_spec(spec, settings.backend))
+        else:
+            refs[text] = parse_checkpoint(text)
     return functools.partial(_open_generator, refs=refs, settings=settings)
 
 
 @contextmanager
 def _open_generator(checkpoint: str, *, refs: dict, settings: EvalSettings):
     from relex.evaluate.checkpoints import model_folder
+    from relex.evaluate.logits import open_logits_generator
 
+    if isinstance(refs[checkpoint], tuple):
+        spec, pair = refs[checkpoint]
+        with open_logits_generator(pair, spec, settings) as generator:
+            yield generator
+        return
     with model_folder(refs[checkpoint]) as folder:
         generator = load_generator(
             settings.backend, folder, batch_size=settings.batch_size, max_new_tokens=settings.max_new_tokens
