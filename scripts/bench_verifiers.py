@@ -1,14 +1,18 @@
-"""How often relex's `math` verifier gives the verdict that Math-Verify's own test suite expects.
+"""Benchmarks of the verifiers: agreement of `math` with Math-Verify's own tests, and scoring speed.
 
-The cases are the (gold, prediction, expected) rows of huggingface/Math-Verify's `tests/` (MIT licence),
-kept in `tests/data/verifiers/math_verify_cases.jsonl`. Each row also records the options its test passed to
-Math-Verify (extraction targets, float precision, strict, set-relation comparison). relex always grades with one
-fixed configuration (LaTeX and expression targets, precision 6, strict, no set relations), so the script also
-counts the rows whose `verify` options are those defaults, and the rows whose extraction targets are too.
+`agreement`: how often relex's `math` verifier gives the verdict that Math-Verify's own test suite expects. The
+cases are the (gold, prediction, expected) rows of huggingface/Math-Verify's `tests/` (MIT licence), kept in
+`tests/data/verifiers/math_verify_cases.jsonl`. Each row also records the options its test passed to Math-Verify
+(extraction targets, float precision, strict, set-relation comparison). relex always grades with one fixed
+configuration (LaTeX and expression targets, precision 6, strict, no set relations), so the script also counts
+the rows whose `verify` options are those defaults, and the rows whose extraction targets are too.
 
-    python scripts/math_verify_agreement.py                      # agreement, false accepts and rejects
-    python scripts/math_verify_agreement.py --show               # also every disagreement
-    python scripts/math_verify_agreement.py --from-tests DIR     # rebuild the cases from a Math-Verify checkout's tests/
+`speed`: completions scored per second by `math` (the real SmolLM2 completions) and by `code` (sandboxed, in
+TRL-style batches), and how the time to score a completion of unclosed `\\boxed{` grows with its length.
+
+    python scripts/bench_verifiers.py agreement [--show]         # agreement, false accepts and rejects
+    python scripts/bench_verifiers.py agreement --from-tests DIR # rebuild the cases from Math-Verify's tests/
+    python scripts/bench_verifiers.py speed [--batch 32]
 """
 
 from __future__ import annotations
@@ -18,9 +22,12 @@ import ast
 import json
 import logging
 import math
+import time
 from pathlib import Path
 
-CASES = Path(__file__).resolve().parents[1] / "tests" / "data" / "verifiers" / "math_verify_cases.jsonl"
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
+CASES = DATA / "verifiers" / "math_verify_cases.jsonl"
+SMOLLM2_ROWS = DATA / "smollm2-grpo-completions.jsonl"
 DEFAULT_OPTIONS = {"match_types": ["latex", "expr"], "precision": 6, "strict": True, "allow_set_relation_comp": False}
 
 
@@ -95,17 +102,7 @@ def report(rows: list[dict], verdicts: list[int], label: str) -> None:
           f"{false_rejects} false rejects, {false_accepts} false accepts")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--from-tests", type=Path, help="a Math-Verify checkout's tests/ folder to rebuild the cases from")
-    parser.add_argument("--show", action="store_true", help="print every disagreement")
-    args = parser.parse_args()
-    if args.from_tests:
-        rows = cases_from_tests(args.from_tests)
-        CASES.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-        print(f"wrote {len(rows)} cases to {CASES}")
-        return
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
+def agreement(show: bool) -> None:
     rows = [json.loads(line) for line in CASES.read_text().splitlines()]
     verdicts = relex_verdicts(rows)
     verify_keys = ("precision", "strict", "allow_set_relation_comp")
@@ -114,10 +111,53 @@ def main() -> None:
     report(rows, verdicts, "all cases")
     report([rows[i] for i in same_verify], [verdicts[i] for i in same_verify], "default verify options")
     report([rows[i] for i in defaults], [verdicts[i] for i in defaults], "default extraction and verify options")
-    if args.show:
+    if show:
         for r, v in zip(rows, verdicts):
             if v != r["expected"]:
                 print(f"  {r['source']}: expected {r['expected']}, relex {v}: gold {r['gold']!r} pred {r['pred']!r}")
+
+
+def speed(batch: int) -> None:
+    from relex.verifiers import get_verifier
+
+    rows = [json.loads(line) for line in SMOLLM2_ROWS.read_text().splitlines()]
+    math_verifier = get_verifier("math")
+    seconds = _timed(math_verifier, [r["completion"] for r in rows], answer=[r["gold"] for r in rows])
+    print(f"math: {len(rows)} SmolLM2 completions in {seconds:.2f} s, {len(rows) / seconds:.0f} per second")
+    short, long = (_timed(math_verifier, ["\\boxed{" * n + "1"], answer=["1"]) for n in (6_000, 60_000))
+    print(f"math: 6,000 unclosed boxes {short:.3f} s, 60,000 {long:.3f} s (ratio {long / short:.1f} for 10x the text)")
+    code = get_verifier("code")
+    programs = ["def add(a, b):\n    return a + b", "def add(a, b):\n    return a - b"] * (batch // 2)
+    tests = "assert add(2, 3) == 5\nassert add(-1, 1) == 0"
+    code(programs[:2], tests=tests)  # warm the sandbox check and the page cache
+    seconds = _timed(code, programs, tests=tests)
+    print(f"code: a batch of {len(programs)} in {seconds:.2f} s, {len(programs) / seconds:.1f} per second (sandboxed)")
+
+
+def _timed(verifier, completions, **columns) -> float:
+    start = time.perf_counter()
+    verifier(completions, **columns)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    agree = commands.add_parser("agreement", help="math against Math-Verify's test cases")
+    agree.add_argument("--from-tests", type=Path, help="a Math-Verify checkout's tests/ folder to rebuild the cases from")
+    agree.add_argument("--show", action="store_true", help="print every disagreement")
+    fast = commands.add_parser("speed", help="completions scored per second")
+    fast.add_argument("--batch", type=int, default=32, help="completions per call of the code verifier")
+    args = parser.parse_args()
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    if args.command == "speed":
+        speed(args.batch)
+    elif args.from_tests:
+        rows = cases_from_tests(args.from_tests)
+        CASES.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        print(f"wrote {len(rows)} cases to {CASES}")
+    else:
+        agreement(args.show)
 
 
 if __name__ == "__main__":
