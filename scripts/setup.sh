@@ -4,6 +4,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
+# bubblewrap: the code verifier runs untrusted programs only inside it (relex/verifiers/sandbox.py). Installed from
+# Debian's packages when missing and we are root; otherwise one line says what to do. Checked on every run (fast).
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing bubblewrap for the code verifier's sandbox" >&2
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; } >/dev/null; then
+      echo "could not install bubblewrap with apt-get; the code verifier will refuse to run until it is installed" >&2
+    fi
+  else
+    echo "bubblewrap (bwrap) is missing: install it (e.g. apt-get install bubblewrap) to use the code verifier" >&2
+  fi
+fi
 stamp=.venv/.relex-setup
 want="$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
 if [ -x .venv/bin/relex ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
