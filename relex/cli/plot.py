@@ -1,4 +1,4 @@
-"""`relex plot trajectory|variance|accuracy|rewards`: parse the options and call `relex.plot`."""
+"""`relex plot trajectory|variance|accuracy|rewards|jumps`: parse the options and call `relex.plot`."""
 
 
 def _names(text):
@@ -25,7 +25,10 @@ def add_arguments(parser):
     rewards = kinds.add_parser("rewards", help="the training reward curve of a run")
     rewards.add_argument("run", help="a run folder with log.jsonl (from relex train), or the log file")
     rewards.add_argument("--window", type=int, default=None, help="moving-average window in steps (default: a tenth of the run)")
-    for sub in (trajectory, variance, accuracy, rewards):
+    jumps = kinds.add_parser("jumps", help="validation accuracy against GRPO steps of relex accelerate runs, jumps marked")
+    jumps.add_argument("runs", nargs="+", metavar="RUN", help="run folders of relex accelerate (one with --no-jump is the plain control)")
+    jumps.add_argument("--title", default=None)
+    for sub in (trajectory, variance, accuracy, rewards, jumps):
         sub.add_argument("--out", required=True, help="the PNG file to write")
         add_verbose(sub)
 
@@ -49,6 +52,10 @@ def run(args):
         from relex.fit import FitResult
 
         path = plot.plot_variance(FitResult.load(args.fit), args.out)
+    elif args.figure == "jumps":
+        from relex.accelerate.figures import plot_jumps
+
+        path = plot_jumps(args.runs, args.out, title=args.title)
     elif args.figure == "accuracy":
         path = plot.plot_accuracy(args.summaries, args.out, title=args.title)
     else:
