@@ -167,8 +167,9 @@ def test_the_child_holds_no_expected_value():
         if_escaped("ok", "import os\ntry:\n    os.setsid()\n    os.posix_spawn('/usr/bin/true', ['true'], {})\n    ok = True\n"
                    "except OSError:\n    ok = False"),
         if_escaped("ok", "import subprocess\ntry:\n    subprocess.run(['true'])\n    ok = True\nexcept OSError:\n    ok = False"),
+        if_escaped("ok", "import ctypes\nok = ctypes.CDLL(None).unshare(0x10000000) == 0"),  # CLONE_NEWUSER
     ],
-    ids=["posix.fork", "_thread", "ctypes-fork", "setsid-spawn", "subprocess"],
+    ids=["posix.fork", "_thread", "ctypes-fork", "setsid-spawn", "subprocess", "new-user-namespace"],
 )
 def test_no_new_processes_or_threads(program):
     assert score(program) == 0.0

@@ -6,13 +6,14 @@
 
 The child sees a filesystem that holds only the system's `/usr` and the Python installation (read-only), the job
 folder at `/job` (read-only) and a size-limited tmpfs at `/tmp` as its working folder: not the caller's home, repo
-or datasets. It has its own user, PID, network (loopback only, nothing listening), IPC and UTS namespaces, an
-empty environment, no capabilities, and a seccomp filter that makes `fork`, `vfork`, `clone` and `clone3` fail,
-so it can start neither processes nor threads (RLIMIT_NPROC cannot do that for a caller that is root). Address
-space, CPU time and file size are limited with rlimits set by the trusted runner before the program starts.
-On timeout the parent kills bubblewrap's process group; bubblewrap is PID 1 of the sandbox's namespace, and the
-kernel kills every process of a PID namespace when its first process dies, so nothing the program started
-survives (`setsid()` does not help it).
+or datasets. It runs as `nobody` in its own user namespace (and may not make another), with its own PID, network
+(loopback only, nothing listening), IPC and UTS namespaces, an empty environment and no capabilities. A seccomp
+filter makes `fork`, `vfork`, `clone` and `clone3` fail, so it can start neither processes nor threads, whatever
+the caller's user (RLIMIT_NPROC, also set, binds nobody but not a root caller without the user mapping).
+Address space, CPU time and file size are limited with rlimits set by the trusted runner before the program
+starts. On timeout the parent kills bubblewrap's process group; bubblewrap is PID 1 of the sandbox's namespace,
+and the kernel kills every process of a PID namespace when its first process dies, so nothing the program
+started survives (`setsid()` does not help it).
 
 bubblewrap comes from Debian's `bubblewrap` package (`scripts/setup.sh` installs it when run as root). Where it
 is missing, or the kernel refuses it user namespaces, `require_sandbox()` raises `RelexError` in one line
@@ -39,6 +40,7 @@ from relex.errors import RelexError
 LOG = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 5.0
+NOBODY = 65534
 SANDBOX_ENV = {"PATH": "/usr/bin", "LANG": "C.UTF-8", "HOME": "/tmp"}
 
 
@@ -60,6 +62,7 @@ def run_sandboxed(job: Path, script: str, limits: SandboxLimits, report: Path) -
     """Run `python -I -S /job/SCRIPT REPORT_FD` in the sandbox; the file `report`, outside it, is open for
     writing at REPORT_FD. The job folder also receives the child's `stdout` and `stderr`."""
     bwrap = require_sandbox()
+    job.chmod(0o755)  # the program runs as nobody and reads its inputs from here
     with contextlib.ExitStack() as stack:
         seccomp = stack.enter_context(_seccomp_fd())
         out = stack.enter_context(open(job / "stdout", "wb"))
@@ -91,7 +94,9 @@ def run_sandboxed(job: Path, script: str, limits: SandboxLimits, report: Path) -
 def bwrap_arguments(job: Path, limits: SandboxLimits, seccomp_fd: int | None = None) -> list[str]:
     prefix = sys.base_prefix
     arguments = [
-        "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv",
+        # as root, --unshare-all keeps the caller's user; --unshare-user with --uid maps the program to nobody
+        "--unshare-all", "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY), "--disable-userns",
+        "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv",
         *(item for name, value in SANDBOX_ENV.items() for item in ("--setenv", name, value)),
         "--ro-bind", "/usr", "/usr", "--ro-bind", prefix, prefix,
         "--proc", "/proc", "--ro-bind", str(job), "/job",
@@ -134,7 +139,8 @@ def sandbox_problem() -> str | None:
     if platform.machine() not in _AUDIT_ARCH:
         return f"no seccomp filter for the {platform.machine()} architecture (x86_64 and aarch64 only)"
     probe = subprocess.run(
-        [bwrap, "--unshare-all", "--ro-bind", "/", "/", "true"], capture_output=True, text=True, check=False
+        [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--ro-bind", "/", "/", "true"],
+        capture_output=True, text=True, check=False,
     )
     if probe.returncode != 0:
         reason = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]
