@@ -107,6 +107,46 @@ class Figures:
 
 
 # ---- sections -----------------------------------------------------------------------------------------------------
+def accelerated_runs(root: Path) -> list[Path]:
+    """RUN itself when `relex accelerate` made it, else its subfolders that it made (the demo's plain/, accelerated/)."""
+    from relex.accelerate.loop import JUMPS_LOG
+
+    if (root / JUMPS_LOG).is_file():
+        return [root]
+    return sorted(p.parent for p in root.glob(f"*/{JUMPS_LOG}"))
+
+
+def accelerate_section(run: RunLayout, figures: Figures) -> list[str]:
+    """Train → jump → train: every decision with its candidates' validation scores, and the jumps figure."""
+    from relex.accelerate.figures import plot_jumps
+    from relex.accelerate.loop import read_jumps
+
+    runs = accelerated_runs(run.root)
+    if not runs:
+        return []
+    lines = ["## Accelerated training (relex accelerate)", ""]
+    lines += figures.add("jumps.png", "validation accuracy against GRPO steps, jumps marked", lambda p: plot_jumps(runs, p))
+    for folder in runs:
+        jumps = read_jumps(folder)
+        summary_path = folder / "accelerate-summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+        lines += [f"### `{folder.name}`", ""]
+        if summary:
+            seconds = summary.get("seconds", {})
+            lines.append(f"{summary.get('grpo_steps')} GRPO steps, {summary.get('jumps')} jumps in {summary.get('decisions')} "
+                         f"decisions; the final weights stand for step {cell(summary.get('virtual_steps'))}. Wall time "
+                         f"{cell(seconds.get('wall'))} s: GRPO {cell(seconds.get('grpo'))} s, fit {cell(seconds.get('fit'))} s, "
+                         f"candidates {cell(seconds.get('candidates'))} s, validation {cell(seconds.get('validation'))} s.")
+            lines.append("")
+        lines += ["| GRPO step | decision | candidate | validation before | after | as if step | why |", "|---|---|---|---|---|---|---|"]
+        for j in jumps:
+            chosen = j["chosen"]["name"] if j["chosen"] else "—"
+            lines.append(f"| {j['step']} | {'jump' if j['jumped'] else 'kept'} | {chosen} | {cell(j['validation_accuracy_before'])} "
+                         f"| {cell(j['validation_accuracy_after'])} | {cell(j['virtual_step_after'])} | {j['reason']} |")
+        lines.append("")
+    return lines
+
+
 def config_section(run: RunLayout) -> list[str]:
     lines = ["## Configuration", ""]
     if not run.config.is_file():
@@ -230,6 +270,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     figures = Figures(out)
     parts = [f"# relex report: {run.root.resolve().name}", "", f"Run folder `{run.root}`. Sections without their inputs say which command makes them.", ""]
     parts += config_section(run)
+    parts += accelerate_section(run, figures)
     parts += rewards_section(run, figures)
     parts += fit_section(run, figures)
     parts += backtest_section(run)
