@@ -8,9 +8,9 @@ that scores rollouts during training also scores checkpoints afterwards:
     math(["62 - 24 = \\boxed{38}"], answer=["38"])  # [1.0]
     GRPOTrainer(..., reward_funcs=[math, get_verifier("format")], ...)
 
-Registered names: `math` (math-verify on the extracted final answer), `reasoning_gym` (the dataset's own
-`score_answer`), `numeric` (a number within tolerance), `json_schema` (JSON valid under a schema), `code` (Python
-that passes tests in a subprocess sandbox) and `format` (a non-empty `\\boxed{}`). A missing column raises
+Registered names: `math` (math-verify on the answer the completion commits to), `reasoning_gym` (the dataset's
+own `score_answer`), `numeric` (a number within tolerance), `json_schema` (JSON valid under a schema), `code`
+(Python that passes tests in a bubblewrap sandbox) and `format` (a non-empty `\\boxed{}`). A missing column raises
 `RelexError`; a completion that crashes a checking library scores 0.0 and is counted in `verifier_failures()`.
 """
 
