@@ -121,8 +121,6 @@ DELIBERATE_DIFFERENCES = {
         "latex-only test: the expression target relex also uses finds the 9 the text answers",
     ("test_latex_notation", "$9$", "Answer \\( \n 9 \n \\)"):
         "latex-only test: the expression target finds the 9",
-    ("test_latex_notation", "$10/9$", "Answer $ \\frac{1}{2} \\$ = \\frac{10}{9} $"):
-        "latex-only test: with the expression target the escaped \\$ ends the match at 1/2",
     ("test_relations_math", "$x = 11$", "$x = 5+5+1 = 7 =11$"):
         "latex-only test; the gold is a number (x = 11) and the answer a chain of expressions",
     ("test_relations_math", "$x = 1/3$", "$x = 5+5+1 = 1/3 \\approx 11$"):
@@ -216,6 +214,9 @@ def test_hack_attempts_score_zero(completion, gold):
         ("The answer is 1,234.", "1234", 1.0),
         ("\\boxed{1,234}", "1234", 1.0),
         ("\\boxed{x = 5}", "5", 1.0),
+        ("\\boxed{62 - 24 = 38}", "38", 1.0),  # the working, then the value
+        ("The answer is $62 - 24 = 38$.", "38", 1.0),
+        ("\\boxed{62 - 24 = 36}", "38", 0.0),
         ("\\boxed{2\\sqrt{3}}", "\\sqrt{12}", 1.0),
         ("The answer is 38. Check: 62 - 24", "38", 1.0),  # answered, then the check restates the question
         ("I think \\boxed{5} no wait \\boxed{6}", "5", 0.0),  # the last box decides

@@ -71,7 +71,7 @@ def score_math(text: str, gold: str, form: str = "auto") -> float:
         return 0.0
     value, answer_text = answer
     if form == "number" or (form == "auto" and is_number(expected[0])):
-        if not is_number(value, answer_text):
+        if not is_number(value, answer_text, after_working=True):
             LOG.debug("verifier math: %.60r is not a number; scoring 0.0", answer_text)
             return 0.0
     if too_costly_to_check(answer_text):
@@ -121,11 +121,12 @@ def as_latex(answer: str) -> str:
     return f"${answer.strip().strip('$').strip()}$"
 
 
-def is_number(value, text: str = "") -> bool:
-    """True for an integer, decimal, fraction or percentage, also as the right side of `x = 38`."""
+def is_number(value, text: str = "", after_working: bool = False) -> bool:
+    """True for an integer, decimal, fraction or percentage, also as the right side of `x = 38`; with
+    `after_working`, of any equation (`62 - 24 = 38`: math-verify compares its right side with a gold value)."""
     import sympy
 
-    if isinstance(value, sympy.Eq) and isinstance(value.lhs, sympy.Symbol):
+    if isinstance(value, sympy.Eq) and (after_working or isinstance(value.lhs, sympy.Symbol)):
         value = value.rhs
     if isinstance(value, sympy.Number) or _is_fraction(value):
         return True
