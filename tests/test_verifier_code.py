@@ -176,6 +176,21 @@ def test_no_new_processes_or_threads(program):
 
 
 @needs_sandbox
+def test_seccomp_alone_refuses_fork_and_threads(tmp_path):
+    probe = (
+        "import os, sys, _thread\nresults = []\n"
+        "for start in (os.fork, lambda: _thread.start_new_thread(print, ())):\n"
+        "    try:\n        start()\n        results.append('started')\n"
+        "    except (OSError, RuntimeError):\n        results.append('refused')\n"
+        "os.write(int(sys.argv[1]), ' '.join(results).encode())\n"
+    )
+    (tmp_path / "probe.py").write_text(probe)  # no rlimits: only the filter stands in the way
+    outcome = sandbox.run_sandboxed(tmp_path, "probe.py", sandbox.SandboxLimits(), report=tmp_path / "report")
+    assert outcome.returncode == 0
+    assert (tmp_path / "report").read_text() == "refused refused"
+
+
+@needs_sandbox
 def test_no_network_to_the_host():
     with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]
