@@ -17,7 +17,8 @@ values) is refused before anything is written, naming the first tensor that diff
 Resuming (`trainer.train(resume_from_checkpoint=...)`): the trainer loads the checkpoint before train begin, so
 the model no longer holds θ₀; θ₀ is then read from the store's base, and the checkpoint's weights are checked
 against the store's delta at that step when it was recorded. A store that already holds steps after the step
-training resumes from is refused (those steps would be recorded twice, from a rerun that may differ).
+training resumes from is refused (those steps would be recorded twice, from a rerun that may differ); drop them
+first with `TrajectoryStore.truncate` (`relex train --resume` does).
 
 `recorder.timings` holds the seconds each record took and `recorder.overhead()` compares them with the
 training steps, so the cost of recording can be reported.
@@ -182,7 +183,8 @@ class DeltaRecorder(TrainerCallback):
             raise RelexError(
                 f"{store.path}: already holds step{'s' if len(later) > 1 else ''} {', '.join(map(str, later))}, after "
                 f"step {global_step} where this training starts; they would be recorded twice. Resume from the "
-                f"checkpoint of step {store.steps[-1]}, or record into a new store"
+                f"checkpoint of step {store.steps[-1]}, drop them first with TrajectoryStore.open(path).truncate("
+                f"{global_step}) (relex train --resume does), or record into a new store"
             )
         if global_step == 0:
             self._theta0 = capture({name: live[name] for name in store.trajectory_names})

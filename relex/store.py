@@ -164,7 +164,7 @@ class TrajectoryStore:
 
     def missing_reference(self, folder: Path, what: str) -> RelexError:
         return RelexError(
-            f"{self.path}: {what} is gone ({folder}: not a folder; moved, or deleted e.g. by save_total_limit); "
+            f"{self.path}: {what} is gone ({os.path.normpath(folder)}: not a folder; moved, or deleted e.g. by save_total_limit); "
             f"re-point the store with `relex ingest NEW_RUN --base BASE --out {self.path} --repoint`, "
             "or ingest with --copy so that the store holds its own deltas"
         )
@@ -218,7 +218,10 @@ class TrajectoryStore:
         files = set()
         for entry in self.entries:
             if entry.kind == "checkpoint":
-                files.update(CheckpointReader(self.checkpoint_dir(entry)).files.values())
+                folder = self.checkpoint_dir(entry)
+                if not folder.is_dir():
+                    raise self.missing_reference(folder, f"the checkpoint of step {entry.step}")
+                files.update(CheckpointReader(folder).files.values())
             else:
                 files.add(self.path / entry.path)
         return sum(f.stat().st_size for f in files if f.is_file())

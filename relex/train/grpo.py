@@ -18,10 +18,13 @@ optimizer, scheduler and RNG state from the last checkpoint in RUN/checkpoints, 
 store from that step. This is the only exact way: restarting from θ₀ + Δ_last would lose Adam's moments and the
 learning-rate schedule, so the continued trajectory would not be the run's. Checkpoints are therefore opt-in
 (`record.resumable`) and saved at every recorded step, right after the record, so that a resumed run starts where
-the store stops. Sparser checkpoints would leave recorded steps after the last checkpoint, which the rerun would
-record again from weights that may differ; the store has no way to drop steps, so the recorder refuses that case
-(a crash between recording a step and saving its checkpoint) instead of overwriting. With a larger
-`grpo.max_steps` on resume, the learning-rate schedule is stretched to the new total from the resumed step on.
+the store stops. A crash between recording a step and saving its checkpoint (or during the save) leaves recorded
+steps after the last complete checkpoint: `--resume` drops them from the store and from log.jsonl, saying so,
+and trains and records them again. A checkpoint the trainer did not finish saving (no readable
+trainer_state.json, or weights that do not parse) is removed, never resumed from. `--resume` of a run that
+reached its `grpo.max_steps` does nothing and says so; with a larger `grpo.max_steps` on resume, the
+learning-rate schedule is stretched to the new total from the resumed step on. The run folder is locked while a
+command trains in it, so a second `relex train` on it ends in one line naming the first one's PID.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +42,7 @@ import yaml
 
 from relex import __version__
 from relex.errors import RelexError
+from relex.io.atomic import write_lock, write_text_atomic
 from relex.store import is_store
 from relex.train.config import TrainConfig
 
@@ -47,6 +53,8 @@ LOG_NAME = "log.jsonl"
 STORE_NAME = "trajectory"
 SUMMARY_NAME = "summary.json"
 CHECKPOINTS_NAME = "checkpoints"
+PREFIX = "checkpoint"  # the trainer's checkpoint-N folders
+TRAINER_STATE = "trainer_state.json"  # the file the trainer writes last into a checkpoint
 TINY_MODEL_NAME = "model"
 
 
@@ -64,16 +72,31 @@ class Prepared:
 
 
 def run_training(config: TrainConfig, *, resume: bool = False, show_progress: bool = True) -> Path:
-    """Train, record and log one run; returns the run folder."""
-    prepared = prepare(config, resume=resume)
-    if show_progress:  # one bar for the run instead of transformers' bars for every checkpoint save
-        from transformers.utils import logging as hf_logging
+    """Train, record and log one run; returns the run folder. The run folder is locked throughout."""
+    run_dir = Path(config.out) if config.out else Path("runs") / f"train-{time.strftime('%Y%m%d-%H%M%S')}"
+    config = dataclasses.replace(config, out=str(run_dir)) if not config.out else config
+    with write_lock(run_dir):
+        prepared = prepare(config, resume=resume)
+        done = finished_step(prepared)
+        if done is not None:
+            LOG.warning(
+                "%s: already trained to step %d (grpo.max_steps %d); nothing to do. Raise grpo.max_steps to train further",
+                prepared.run_dir, done, prepared.args.max_steps,
+            )
+            return prepared.run_dir
+        if resume:
+            forget_after(prepared.run_dir, checkpoint_step(prepared.resume_from) if prepared.resume_from else 0)
+        if show_progress:  # one bar for the run instead of transformers' bars for every checkpoint save
+            from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()
-    trainer, recorder = build_trainer(prepared, show_progress=show_progress)
-    started = time.perf_counter()
-    trainer.train(resume_from_checkpoint=prepared.resume_from)
-    write_summary(prepared.run_dir, recorder, time.perf_counter() - started)
+            hf_logging.disable_progress_bar()
+        trainer, recorder = build_trainer(prepared, show_progress=show_progress)
+        started = time.perf_counter()
+        try:
+            trainer.train(resume_from_checkpoint=prepared.resume_from)
+        except OSError as error:  # a full disk while saving a checkpoint: one line, and the run stays resumable
+            raise RelexError(f"{prepared.run_dir}: training stopped: {error}; free the space and run relex train --resume") from error
+        write_summary(prepared.run_dir, recorder, time.perf_counter() - started)
     return prepared.run_dir
 
 
@@ -198,21 +221,88 @@ def grpo_args(config: TrainConfig, run_dir: Path):
 
 
 def checkpoint_to_resume(run_dir: Path, config: TrainConfig) -> str | None:
-    from transformers.trainer_utils import get_last_checkpoint
-
+    """The last complete checkpoint of the run (None: start from step 0); partial ones are removed, saying so."""
     folder = run_dir / CHECKPOINTS_NAME
-    last = get_last_checkpoint(str(folder)) if folder.is_dir() else None
+    last = last_complete_checkpoint(folder)
     if last is None:
         if not config.record.resumable:
             raise RelexError(f"{run_dir}: this run saved no checkpoints (record.resumable: false), so it cannot be resumed")
-        store = run_dir / STORE_NAME
-        if is_store(store):
-            from relex.store import TrajectoryStore
-
-            if TrajectoryStore.open(store).steps:
-                raise RelexError(f"{run_dir}: the store holds recorded steps but {folder} holds no checkpoint to resume from")
         LOG.info("%s: no checkpoint yet; starting from step 0", run_dir)
-    return last
+        return None
+    return str(last)
+
+
+def checkpoint_step(folder: str | Path) -> int:
+    return int(Path(folder).name.removeprefix(f"{PREFIX}-"))
+
+
+def last_complete_checkpoint(folder: Path) -> Path | None:
+    """The checkpoint-N with the largest N that the trainer finished saving.
+
+    The trainer writes trainer_state.json last, so a checkpoint whose state file is missing or unreadable, or whose
+    weights do not parse, was interrupted: it is removed (a resumed run saves it again) instead of picked up.
+    """
+    if not folder.is_dir():
+        return None
+    found = sorted(
+        (checkpoint_step(c), c) for c in folder.iterdir() if c.is_dir() and re.fullmatch(rf"{PREFIX}-[0-9]{{1,18}}", c.name)
+    )
+    for step, checkpoint in reversed(found):
+        why = checkpoint_problem(checkpoint, step)
+        if why is None:
+            return checkpoint
+        LOG.warning("%s: removing this partial checkpoint (%s), left by an interrupted save", checkpoint, why)
+        shutil.rmtree(checkpoint)
+    return None
+
+
+def checkpoint_problem(checkpoint: Path, step: int) -> str | None:
+    """Why a checkpoint folder is not a complete save of step `step` (None when it is)."""
+    from relex.io.checkpoint import CheckpointReader
+
+    try:
+        state = json.loads((checkpoint / TRAINER_STATE).read_text())
+    except (OSError, ValueError):
+        return f"no readable {TRAINER_STATE}"
+    if not isinstance(state, dict) or state.get("global_step") != step:
+        return f"{TRAINER_STATE} is not for step {step}"
+    try:
+        CheckpointReader(checkpoint).infos()  # every shard's header checked against its size
+    except RelexError as error:
+        return str(error)
+    return None
+
+
+def finished_step(prepared: Prepared) -> int | None:
+    """The step a resumed run already reached when that is its grpo.max_steps (nothing left to train), else None."""
+    if prepared.resume_from is None:
+        return None
+    step = checkpoint_step(prepared.resume_from)
+    return step if step >= prepared.args.max_steps > 0 else None
+
+
+def forget_after(run_dir: Path, step: int) -> None:
+    """Drop what the run recorded and logged after `step`, the checkpoint it resumes from: the resumed run
+    trains those steps again, so they would otherwise be recorded twice, from weights that may differ."""
+    from relex.store import TrajectoryStore
+
+    store = run_dir / STORE_NAME
+    if is_store(store):
+        dropped = TrajectoryStore.open(store).truncate(step)
+        if dropped:
+            LOG.warning("%s: resuming from step %d, so recorded steps %s are dropped and recorded again", run_dir, step, ", ".join(map(str, dropped)))
+    log = run_dir / LOG_NAME
+    if log.is_file():
+        kept = [line for line in log.read_text().splitlines() if _logged_step(line) is not None and _logged_step(line) <= step]
+        write_text_atomic(log, "".join(line + "\n" for line in kept))
+
+
+def _logged_step(line: str) -> int | None:
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):  # a line cut short by a kill
+        return None
+    return step if isinstance(step, int) else None
 
 
 # ---- the trainer ------------------------------------------------------------------------------------------------
