@@ -15,7 +15,10 @@ points. Their projections need the Gram over *all* recorded steps, c = G[all, fi
 the real RLVR checkpoint at S, a folder written by `relex extrapolate` is placed at the `target_step` of its
 `relex.json` and grouped by its `method`, anything else is the base model at step 0.
 
-Every figure uses the Agg backend (no display needed) and is written at `DPI` dots per inch.
+Every figure uses the Agg backend (no display needed) and is written at `DPI` dots per inch. Axes hold degenerate
+data sensibly: a fraction (accuracy, explained variance, a verifier's reward) never gets an axis or a band below 0
+or above 1, steps are whole numbers, one step or one constant value gets a readable range, and value ticks are few
+enough not to run together.
 """
 
 from __future__ import annotations
@@ -53,6 +56,49 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def _step_axis(axis, steps) -> None:
+    """Whole-number ticks for an axis of optimizer steps; a single step gets one step of room on either side."""
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(nbins=6, integer=True))
+    if len(steps) and np.min(steps) == np.max(steps):
+        centre = float(np.min(steps))
+        (axis.axes.set_xlim if axis is axis.axes.xaxis else axis.axes.set_ylim)(centre - 1, centre + 1)
+
+
+def _value_axis(axis, values, low: float | None = 0.0, high: float | None = 1.0, min_span: float = 0.1) -> None:
+    """Limits and a few ticks for values bounded by [low, high] (None: unbounded on that side).
+
+    The range covers the finite values, is at least `min_span` wide (a constant gets room around it instead of
+    matplotlib's ±0.04, which puts an accuracy of 0 on a negative axis), and stays inside the bounds but for a 2%
+    margin that keeps a marker on the bound whole.
+    """
+    from matplotlib.ticker import MaxNLocator
+
+    values = np.asarray(values, dtype=float)
+    values = values[np.isfinite(values)]
+    lo, hi = (float(values.min()), float(values.max())) if len(values) else (low or 0.0, high or 1.0)
+    pad = max(min_span - (hi - lo), 0.0) / 2 + 0.05 * (hi - lo)
+    lo, hi = lo - pad, hi + pad
+    if low is not None and lo < low:
+        lo, hi = low, hi + (low - lo)
+    if high is not None and hi > high:
+        lo, hi = (lo - (hi - high) if low is None else max(low, lo - (hi - high))), high
+    margin = 0.02 * (hi - lo)
+    (axis.axes.set_xlim if axis is axis.axes.xaxis else axis.axes.set_ylim)(lo - margin, hi + margin)
+    axis.set_major_locator(MaxNLocator(nbins=5))
+
+
+def _few_ticks():
+    from matplotlib.ticker import MaxNLocator
+
+    return MaxNLocator(nbins=5)
 
 
 def _save(fig, out: str | Path) -> Path:
@@ -159,9 +205,12 @@ def _draw_coefficients(ax, series: CoefficientSeries, fit, extend_to: float) -> 
         ax.plot(series.steps[seen & ~window], series.coefficient[seen & ~window], "o", color="tab:gray", ms=4, label="observed (outside window)")
     if np.any(~seen):
         ax.plot(series.steps[~seen], series.coefficient[~seen], "o", mfc="none", color="tab:orange", ms=5, label="held out (not fitted)")
-    ax.set_title(f"{_short(series.name)}\nEV(r={fit.config.rank}) {series.explained_variance:.3f}, R² {series.r2:.3f}", fontsize=9)
+    r2 = f"{series.r2:.3f}" if np.isfinite(series.r2) else "–"
+    ax.set_title(f"{_short(series.name)}\nEV(r={fit.config.rank}) {series.explained_variance:.3f}, R² {r2}", fontsize=9)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("c₁(s) = Δₛᵀ v₁")
+    _step_axis(ax.xaxis, series.steps)
+    ax.yaxis.set_major_locator(_few_ticks())
     ax.grid(alpha=0.3)
 
 
@@ -182,7 +231,7 @@ def plot_trajectory(
     plt = _pyplot()
     cols = min(3, len(series))
     rows = -(-len(series) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(max(6.0, 4.2 * cols), 3.4 * rows), squeeze=False)  # title, legend fit
     for ax, one in zip(axes.flat, series):
         _draw_coefficients(ax, one, fit, extend_to)
     for ax in list(axes.flat)[len(series):]:
@@ -218,7 +267,8 @@ def _horizontal() -> dict:
     return {"orientation": "horizontal"} if (major, minor) >= (3, 10) else {"vert": False}
 
 
-def _box_strip(ax, groups: dict[str, list[float]], xlabel: str) -> None:
+def _box_strip(ax, groups: dict[str, list[float]], xlabel: str, low: float | None, high: float | None, empty: str) -> None:
+    """One box and its points per group along x, within [low, high]; `empty` is written when no group has a value."""
     labels = list(groups)
     ax.boxplot([groups[k] for k in labels], widths=0.6, showfliers=False, **_horizontal())
     rng = np.random.default_rng(0)
@@ -228,6 +278,11 @@ def _box_strip(ax, groups: dict[str, list[float]], xlabel: str) -> None:
     ax.set_yticks(range(1, len(labels) + 1), [_short(k) for k in labels], fontsize=8)
     ax.set_xlabel(xlabel)
     ax.grid(axis="x", alpha=0.3)
+    values = [v for k in labels for v in groups[k]]
+    _value_axis(ax.xaxis, values, low, high, min_span=0.02)
+    if not values:
+        ax.set_xticks([])
+        ax.text(0.5, 0.5, empty, transform=ax.transAxes, ha="center", va="center", fontsize=8, color="gray")
     if not ax.yaxis_inverted():  # read top to bottom in name order (the axes share y: invert once)
         ax.invert_yaxis()
 
@@ -239,12 +294,15 @@ def plot_variance(fit, out: str | Path) -> Path:
     if not explained:
         raise RelexError("every tensor of the fit has an all-zero trajectory; there is no variance to plot")
     plt = _pyplot()
-    height = 0.9 + 0.32 * len(explained)
+    height = 1.5 + 0.32 * len(explained)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, height), sharey=True)
-    _box_strip(left, explained, f"explained variance of rank {fit.config.rank}")
-    _box_strip(right, {k: r2.get(k, []) for k in explained}, f"R² of the {fit.config.temporal} model (direction 1)")
+    _box_strip(left, explained, f"explained variance of rank {fit.config.rank}", 0.0, 1.0, "")
+    _box_strip(
+        right, {k: r2.get(k, []) for k in explained}, f"R² of the {fit.config.temporal} model (direction 1)", None, 1.0,
+        "no R²: too few observed steps",
+    )
     left.set_ylabel("module type")
-    fig.suptitle(f"Per-tensor fit over {len(fit.steps)} observed steps ({len(rows)} tensors)")
+    fig.suptitle(f"Per-tensor fit over {_plural(len(fit.steps), 'observed step')} ({_plural(len(rows), 'tensor')})")
     fig.tight_layout()
     return _save(fig, out)
 
@@ -299,7 +357,7 @@ def _draw_series(ax, series: str, points: list[AccuracyPoint], dodge: float = 0.
     y = np.array([p.accuracy for p in points])
     err = np.array([[p.accuracy - p.ci_low for p in points], [p.ci_high - p.accuracy for p in points]])
     line = "-" if series == REAL else "--" if series != BASE else "none"
-    ax.errorbar(x, y, yerr=np.maximum(err, 0), fmt=marker, linestyle=line, color=colour, capsize=3, ms=7 if series == BASE else 5, label=label)
+    ax.errorbar(x, y, yerr=np.maximum(err, 0), fmt=marker, linestyle=line, color=colour, capsize=3, ms=7 if series == BASE else 5, label=label, clip_on=False)
 
 
 def plot_accuracy(summary_paths: list[str | Path], out: str | Path, title: str | None = None) -> Path:
@@ -316,6 +374,8 @@ def plot_accuracy(summary_paths: list[str | Path], out: str | Path, title: str |
     shift = 0.008 * max(p.step for p in points)  # side by side, so intervals at the same step stay readable
     for index, series in enumerate(order):
         _draw_series(ax, series, groups[series], dodge=(index - (len(order) - 1) / 2) * shift)
+    _step_axis(ax.xaxis, [p.step for p in points])
+    _value_axis(ax.yaxis, [v for p in points for v in (p.accuracy, p.ci_low, p.ci_high)])  # 0 ≤ accuracy ≤ 1
     until = max((p.observed_until for p in points if p.observed_until is not None), default=None)
     if until is not None:
         ax.axvline(until, color="gray", ls=":", lw=1)
@@ -366,14 +426,27 @@ def plot_rewards(run_dir: str | Path, out: str | Path, window: int | None = None
     window = window or max(1, len(records) // 10)
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    score = bool(reward.min() >= 0 and reward.max() <= 1)  # a verifier's score: the band stays inside [0, 1]
+    low, high = reward - np.nan_to_num(std), reward + np.nan_to_num(std)
+    if score:
+        low, high = np.clip(low, 0, 1), np.clip(high, 0, 1)
     if np.isfinite(std).any():
-        ax.fill_between(steps, reward - np.nan_to_num(std), reward + np.nan_to_num(std), color="tab:blue", alpha=0.15, label="± reward std")
-    ax.plot(steps, reward, ".-", color="tab:blue", lw=0.8, ms=3, label="mean reward")
+        band = "± reward std" + (" (within [0, 1])" if score else "")
+        if len(steps) > 1:
+            ax.fill_between(steps, low, high, color="tab:blue", alpha=0.15, label=band)
+        else:  # a band needs two steps; one step gets an error bar
+            ax.errorbar(steps, reward, yerr=[reward - low, high - reward], fmt="none", color="tab:blue", alpha=0.4, capsize=4, label=band)
+    ax.plot(steps, reward, ".-", color="tab:blue", lw=0.8, ms=3 if len(steps) > 1 else 6, label="mean reward", clip_on=False)
     if window > 1:
         ax.plot(steps, moving_average(reward, window), color="tab:red", lw=2, label=f"moving average ({window} steps)")
+    _step_axis(ax.xaxis, steps)
+    if score:
+        _value_axis(ax.yaxis, np.concatenate([low, high, reward]))
+    else:
+        ax.yaxis.set_major_locator(_few_ticks())
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("reward (verifier score)")
-    ax.set_title(f"Training reward, {len(records)} steps")
+    ax.set_title(f"Training reward, {_plural(len(records), 'step')}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
