@@ -184,8 +184,9 @@ def test_seccomp_alone_refuses_fork_and_threads(tmp_path):
         "    except (OSError, RuntimeError):\n        results.append('refused')\n"
         "os.write(int(sys.argv[1]), ' '.join(results).encode())\n"
     )
-    (tmp_path / "probe.py").write_text(probe)  # no rlimits: only the filter stands in the way
-    outcome = sandbox.run_sandboxed(tmp_path, "probe.py", sandbox.SandboxLimits(), report=tmp_path / "report")
+    (tmp_path / "probe.py").write_text(probe)
+    limits = sandbox.SandboxLimits(processes=10_000)  # RLIMIT_NPROC out of the way: only the filter refuses
+    outcome = sandbox.run_sandboxed(tmp_path, "probe.py", limits, report=tmp_path / "report")
     assert outcome.returncode == 0
     assert (tmp_path / "report").read_text() == "refused refused"
 

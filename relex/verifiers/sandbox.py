@@ -1,8 +1,8 @@
 """Run untrusted Python in an operating-system sandbox: bubblewrap namespaces, a seccomp filter and rlimits.
 
-    with tempfile.TemporaryDirectory() as job:
-        ...write runner.py and its inputs into job...
-        outcome = run_sandboxed(Path(job), ["runner.py"], SandboxLimits(timeout=5))
+    with tempfile.TemporaryDirectory() as tmp:
+        job = Path(tmp)  # write runner.py and its inputs here; the sandbox sees the folder as /job
+        outcome = run_sandboxed(job, "runner.py", SandboxLimits(timeout=5), report=job / "report")
 
 The child sees a filesystem that holds only the system's `/usr` and the Python installation (read-only), the job
 folder at `/job` (read-only) and a size-limited tmpfs at `/tmp` as its working folder: not the caller's home, repo
@@ -10,8 +10,8 @@ or datasets. It runs as `nobody` in its own user namespace (and may not make ano
 (loopback only, nothing listening), IPC and UTS namespaces, an empty environment and no capabilities. A seccomp
 filter makes `fork`, `vfork`, `clone` and `clone3` fail, so it can start neither processes nor threads, whatever
 the caller's user (RLIMIT_NPROC, also set, binds nobody but not a root caller without the user mapping).
-Address space, CPU time and file size are limited with rlimits set by the trusted runner before the program
-starts. On timeout the parent kills bubblewrap's process group; bubblewrap is PID 1 of the sandbox's namespace,
+Address space, CPU time, file size and processes are limited with rlimits that a bootstrap sets before the
+script starts. On timeout the parent kills bubblewrap's process group; bubblewrap is PID 1 of the sandbox's namespace,
 and the kernel kills every process of a PID namespace when its first process dies, so nothing the program
 started survives (`setsid()` does not help it).
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import platform
 import shutil
@@ -46,10 +47,11 @@ SANDBOX_ENV = {"PATH": "/usr/bin", "LANG": "C.UTF-8", "HOME": "/tmp"}
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    timeout: float = DEFAULT_TIMEOUT  # wall-clock seconds; CPU time is capped one second above it
+    timeout: float = DEFAULT_TIMEOUT  # wall-clock seconds; CPU time is capped a second or two above it
     memory_bytes: int = 512 * 2**20
     file_bytes: int = 16 * 2**20
     disk_bytes: int = 32 * 2**20  # the tmpfs that is the program's working folder
+    processes: int = 0  # RLIMIT_NPROC; the seccomp filter refuses new processes and threads whatever it is
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,8 @@ class SandboxOutcome:
 
 
 def run_sandboxed(job: Path, script: str, limits: SandboxLimits, report: Path) -> SandboxOutcome:
-    """Run `python -I -S /job/SCRIPT REPORT_FD` in the sandbox; the file `report`, outside it, is open for
-    writing at REPORT_FD. The job folder also receives the child's `stdout` and `stderr`."""
+    """Run `/job/SCRIPT REPORT_FD` with Python in the sandbox, under `limits`; the file `report`, outside it, is
+    open for writing at REPORT_FD. The job folder also receives the child's `stdout` and `stderr`."""
     bwrap = require_sandbox()
     job.chmod(0o755)  # the program runs as nobody and reads its inputs from here
     with contextlib.ExitStack() as stack:
@@ -69,7 +71,7 @@ def run_sandboxed(job: Path, script: str, limits: SandboxLimits, report: Path) -
         err = stack.enter_context(open(job / "stderr", "wb"))
         report_file = stack.enter_context(open(report, "wb"))
         report_fd = report_file.fileno()
-        command = [bwrap, *bwrap_arguments(job, limits, seccomp), *python_command([script, str(report_fd)])]
+        command = [bwrap, *bwrap_arguments(job, limits, seccomp), *python_command(script, [str(report_fd)], limits)]
         child = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,
@@ -113,10 +115,24 @@ def bwrap_arguments(job: Path, limits: SandboxLimits, seccomp_fd: int | None = N
     return arguments
 
 
-def python_command(argv: list[str]) -> list[str]:
+def python_command(script: str, arguments: list[str], limits: SandboxLimits) -> list[str]:
     # the base interpreter, not a virtual environment's: the sandbox sees only the installation under base_prefix
     interpreter = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
-    return [str(interpreter), "-I", "-S", f"/job/{argv[0]}", *argv[1:]]
+    rlimits = [limits.memory_bytes, math.ceil(limits.timeout) + 1, limits.file_bytes, limits.processes]
+    return [str(interpreter), "-I", "-S", "-c", _BOOTSTRAP, *map(str, rlimits), f"/job/{script}", *arguments]
+
+
+# `python -c _BOOTSTRAP AS CPU FSIZE NPROC SCRIPT ARGS...`: set the limits, then run SCRIPT as __main__
+_BOOTSTRAP = """
+import resource, sys
+kinds = (resource.RLIMIT_AS, resource.RLIMIT_CPU, resource.RLIMIT_FSIZE, resource.RLIMIT_NPROC)
+for kind, value in zip(kinds, map(int, sys.argv[1:5])):
+    resource.setrlimit(kind, (value, value))
+sys.argv = sys.argv[5:]
+with open(sys.argv[0]) as f:
+    code = compile(f.read(), sys.argv[0], "exec")
+exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
+"""
 
 
 def require_sandbox() -> str:
