@@ -8,8 +8,9 @@ The child sees a filesystem that holds only the system's `/usr` and the Python i
 folder at `/job` (read-only) and a size-limited tmpfs at `/tmp` as its working folder: not the caller's home, repo
 or datasets. It runs as `nobody` in its own user namespace (and may not make another), with its own PID, network
 (loopback only, nothing listening), IPC and UTS namespaces, an empty environment and no capabilities. A seccomp
-filter makes `fork`, `vfork`, `clone` and `clone3` fail, so it can start neither processes nor threads, whatever
-the caller's user (RLIMIT_NPROC, also set, binds nobody but not a root caller without the user mapping).
+filter makes `fork`, `vfork`, `clone` and `clone3` fail, so it can start neither processes nor threads. The filter
+is what holds: RLIMIT_NPROC is set to 0 as well, but on the development machine's kernel (6.18) a process in a
+new user namespace could fork under it.
 Address space, CPU time, file size and processes are limited with rlimits that a bootstrap sets before the
 script starts. On timeout the parent kills bubblewrap's process group; bubblewrap is PID 1 of the sandbox's namespace,
 and the kernel kills every process of a PID namespace when its first process dies, so nothing the program
@@ -51,7 +52,7 @@ class SandboxLimits:
     memory_bytes: int = 512 * 2**20
     file_bytes: int = 16 * 2**20
     disk_bytes: int = 32 * 2**20  # the tmpfs that is the program's working folder
-    processes: int = 0  # RLIMIT_NPROC; the seccomp filter refuses new processes and threads whatever it is
+    processes: int = 0  # RLIMIT_NPROC; the seccomp filter refuses new processes and threads whatever this is
 
 
 @dataclass(frozen=True)
