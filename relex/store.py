@@ -40,7 +40,7 @@ import torch
 
 from relex import __version__
 from relex.errors import RelexError
-from relex.io.atomic import clean_leftovers, write_json_atomic, write_lock
+from relex.io.atomic import clean_leftovers_inside, write_json_atomic, write_lock
 from relex.io.checkpoint import CheckpointReader, TensorInfo
 from relex.io.dtypes import SAFETENSORS_TO_TORCH, dtype_name, from_name
 from relex.io.stream_writer import StreamingSafetensorsWriter
@@ -276,7 +276,7 @@ class TrajectoryStore:
         relative = Path("deltas") / f"step-{step:08d}.safetensors"
         final = self.path / relative
         final.parent.mkdir(exist_ok=True)
-        clean_leftovers(final)
+        clean_leftovers_inside(final.parent)  # temporary files of writers that were killed
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}")
         try:
             writer = StreamingSafetensorsWriter(tmp, layout, {"format": "pt", "step": str(step)})
