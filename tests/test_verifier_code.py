@@ -100,6 +100,11 @@ def test_seccomp_program_shape():
         ("import os\nos._exit(0)", 0.0),
         ("while True:\n    pass", 0.0),  # killed at the timeout
         ("x = bytearray(10**10)\n" + CORRECT, 0.0),  # address-space limit
+        ("x = bytearray(2**26)\n" + CORRECT, 1.0),  # 64 MiB is allowed
+        ("x = bytearray(2**30)\n" + CORRECT, 0.0),  # 1 GiB, over the 512 MiB limit but not the machine's
+        ("open('small', 'wb').write(b'x' * 2**20)\n" + CORRECT, 1.0),  # the working folder is writable
+        (if_escaped("n == 20", "n = 0\ntry:\n    with open('big', 'wb') as f:\n        for n in range(1, 21):\n"
+                    "            f.write(b'x' * 2**20)\nexcept OSError:\n    pass"), 0.0),  # a 20 MiB file: over 16
         ("def add(a, b):\n    return float(a + b)", 1.0),  # 5.0 == 5
         ("class Five:\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return Five()", 0.0),
     ],
