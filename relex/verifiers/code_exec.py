@@ -17,7 +17,8 @@ or extra report line fails. What it can forge is the value of an assert that hol
 (`assert is_prime(7)` expects True, which anyone can guess), and asserts nested inside loops or functions,
 which run in the child as statements; write tests as `assert call(...) == expected` to close that gap.
 
-bubblewrap is required: where it is missing or cannot run, the verifier raises `RelexError` in one line.
+The program sees only Python's standard library. bubblewrap is required: where it is missing or cannot run, the
+verifier raises `RelexError` in one line.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from relex.verifiers.answers import completion_text, last_fenced_block
+from relex.verifiers.code_checks import CheckPlan, plan_tests
 from relex.verifiers.columns import optional_column, required_column
 from relex.verifiers.sandbox import DEFAULT_TIMEOUT, SandboxLimits, require_sandbox, run_sandboxed
-from relex.verifiers.code_checks import CheckPlan, plan_tests
 
 LOG = logging.getLogger(__name__)
 
