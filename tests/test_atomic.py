@@ -235,3 +235,40 @@ def test_sigkill_during_overwrite_leaves_the_old_output(store, tmp_path):
     assert cli("extrapolate", store, "--targets", "50,70", "--method", "two-point", "--out", out, "--overwrite") == 0
     assert sorted(p.name for p in out.iterdir()) == ["step-50", "step-70"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+
+
+# ---- a full disk in the middle of a command -----------------------------------------------------------------------------
+def no_space(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
+def test_full_disk_during_fit(store, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("relex.fit.fit.save_file", no_space)
+    message = run_fails(capsys, "fit", store, "--out", tmp_path / "fit", out=tmp_path / "fit")
+    assert "No space left on device" in message
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".fit")] == []
+
+
+def test_full_disk_during_ingest_copy(planted, tmp_path, capsys, monkeypatch):
+    from relex.io.stream_writer import StreamingSafetensorsWriter
+
+    base, run, _ = planted
+    monkeypatch.setattr(StreamingSafetensorsWriter, "write", no_space)
+    message = run_fails(capsys, "ingest", run, "--base", base, "--out", tmp_path / "s", "--copy", out=tmp_path / "s")
+    assert "No space left on device" in message
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".s")] == []
+
+
+def test_full_disk_during_store_append_keeps_the_store(store, monkeypatch):
+    import torch
+
+    from relex.io.stream_writer import StreamingSafetensorsWriter
+
+    opened = TrajectoryStore.open(store)
+    infos = opened.tensors
+    before = (store / "manifest.json").read_text()
+    monkeypatch.setattr(StreamingSafetensorsWriter, "write", no_space)
+    with pytest.raises(RelexError, match="step 40 not recorded: No space left on device"):
+        opened.append_deltas(40, lambda name: torch.zeros(infos[name].shape))
+    assert (store / "manifest.json").read_text() == before
+    assert not (store / "deltas").exists() or [p.name for p in (store / "deltas").iterdir()] == []
