@@ -47,11 +47,11 @@ def code_reward(completions, **columns) -> list[float]:
     n = len(completions)
     tests = required_column(columns, "tests", n, NAME)
     timeouts = optional_column(columns, "timeout", n, DEFAULT_TIMEOUT)
-    require_sandbox()  # one clear error before any job starts
     jobs = [
         (extract_code(completion_text(c)), plan_tests(test_source(t)), SandboxLimits(timeout=float(s)))
         for c, t, s in zip(completions, tests, timeouts, strict=True)
     ]
+    require_sandbox()  # one clear error before any job starts
     with ThreadPoolExecutor(max_workers=max(1, min(n, MAX_PARALLEL, os.cpu_count() or 1))) as pool:
         return [1.0 if passed else 0.0 for passed in pool.map(lambda job: passes_tests(*job), jobs)]
 
