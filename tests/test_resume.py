@@ -182,3 +182,23 @@ def test_a_step_beyond_int64_is_refused(planted, tmp_path):
     assert cli("ingest", run, "--base", base, "--out", tmp_path / "store", "--copy") == 0
     with pytest.raises(RelexError, match="positive integer"):
         TrajectoryStore.open(tmp_path / "store").append_deltas(2**63, lambda name: None)
+
+
+def test_full_disk_while_training_is_one_line_and_resumable(tmp_path, capsys, monkeypatch):
+    from relex.io.stream_writer import StreamingSafetensorsWriter
+
+    run = tmp_path / "run"
+    original = StreamingSafetensorsWriter.write
+
+    def full(self, name, values):
+        if "deltas" in str(self.path):
+            raise OSError(28, "No space left on device")
+        return original(self, name, values)
+
+    monkeypatch.setattr(StreamingSafetensorsWriter, "write", full)
+    assert train(run, "--max-steps", "1") == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "Traceback" not in err
+    monkeypatch.setattr(StreamingSafetensorsWriter, "write", original)
+    assert train(run, "--resume", "--max-steps", "1") == 0
+    assert TrajectoryStore.open(run / "trajectory").steps == [1]
