@@ -13,7 +13,9 @@ completion of thousands of unclosed `\\boxed{` costs no more than any other text
 
 from __future__ import annotations
 
+import functools
 import re
+import sys
 import unicodedata
 
 from relex.errors import RelexError
@@ -56,9 +58,15 @@ def _message_text(message: dict) -> str:
 
 def ascii_digits(text: str) -> str:
     """The text with every decimal digit (full-width `１２`, Arabic-Indic `١٢`, ...) written as an ASCII digit."""
-    if text.isascii():
-        return text
-    return "".join(str(unicodedata.decimal(c)) if c.isdecimal() and not c.isascii() else c for c in text)
+    return text if text.isascii() else text.translate(_digit_table())
+
+
+@functools.cache
+def _digit_table() -> dict[int, str]:
+    """Every Unicode decimal digit that is not ASCII, to its ASCII digit (built on first use: 0.2 s)."""
+    return {
+        code: str(unicodedata.decimal(chr(code))) for code in range(128, sys.maxunicode + 1) if chr(code).isdecimal()
+    }
 
 
 def matching_braces(text: str) -> dict[int, int]:
