@@ -1,11 +1,11 @@
 """Benchmarks of the verifiers: agreement of `math` with Math-Verify's own tests, and scoring speed.
 
 `agreement`: how often relex's `math` verifier gives the verdict that Math-Verify's own test suite expects. The
-cases are the (gold, prediction, expected) rows of huggingface/Math-Verify's `tests/` (MIT licence), kept in
-`tests/data/verifiers/math_verify_cases.jsonl`. Each row also records the options its test passed to Math-Verify
-(extraction targets, float precision, strict, set-relation comparison). relex always grades with one fixed
-configuration (LaTeX and expression targets, precision 6, strict, no set relations), so the script also counts
-the rows whose `verify` options are those defaults, and the rows whose extraction targets are too.
+cases are the (gold, prediction, expected) rows of huggingface/Math-Verify's `tests/`, kept with their source
+and licence in `tests/data/verifiers/` (README.md there). Each row also records the options its test passed to
+Math-Verify (extraction targets, float precision, strict, set-relation comparison). relex always grades with one
+fixed configuration (LaTeX and expression targets, precision 6, strict, no set relations), so the script also
+counts the rows whose `verify` options are those defaults, and the rows whose extraction targets are too.
 
 `speed`: completions scored per second by `math` (the real SmolLM2 completions) and by `code` (sandboxed, in
 TRL-style batches), and how the time to score a completion of unclosed `\\boxed{` grows with its length.

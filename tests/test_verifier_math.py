@@ -6,7 +6,8 @@
   in `RAMBLING_ROWS`, read one by one, where that crude oracle is not the right judge. The recorded
   `naive_reward` is never trusted.
 - `tests/data/verifiers/math_verify_cases.jsonl`: the (gold, prediction, expected) cases of Math-Verify's own
-  `tests/` (huggingface/Math-Verify, MIT licence), rebuilt by `scripts/bench_verifiers.py agreement --from-tests`.
+  `tests/` (source and licence in tests/data/verifiers/README.md), rebuilt by
+  `scripts/bench_verifiers.py agreement --from-tests`.
   relex must agree with every case whose extraction targets and `verify` options are Math-Verify's defaults,
   and differs only on the cases listed in `DELIBERATE_DIFFERENCES`, each with its reason.
 - `HACKS`: completions a policy could learn to write to be paid without answering; all score 0.0.
