@@ -17,7 +17,6 @@ from safetensors.torch import save_file
 from relex.errors import RelexError
 from relex.io.checkpoint import CheckpointReader
 from relex.io.safetensors_file import SafetensorsFile
-from relex.store import TrajectoryStore
 from relex.synthetic import write_planted_run
 from tests.conftest import cli, make_base
 from tests.test_bad_input import run_fails
