@@ -203,6 +203,22 @@ def test_hack_attempts_score_zero(completion, gold):
 
 
 @pytest.mark.parametrize(
+    "completion",
+    [
+        "The answer is 36, 37 or 38.",
+        "It is either 36 or 38.",
+        "The answer is $36$ or $38$.",
+        "The answer is 38 (or maybe 36).",
+        "the final answer is $\\boxed{36}$ or $38$",
+        "\\boxed{36} or \\boxed{37} or \\boxed{38}",
+        "\\boxed{36}\n\\boxed{37}\n\\boxed{38}",
+    ],
+)
+def test_hedging_pays_for_one_candidate_at_most(completion):
+    assert sum(score(completion, gold) for gold in ("36", "37", "38")) <= 1.0
+
+
+@pytest.mark.parametrize(
     ("completion", "gold", "expected"),
     [
         ("62 - 24 = \\boxed{38}", "38", 1.0),
