@@ -1,33 +1,30 @@
-"""`relex demo`: the whole method end to end on the embedded SmolLM2-135M-Instruct, with no other input.
+"""`relex demo`: relex accelerate next to plain GRPO on the embedded SmolLM2-135M-Instruct, with no other input.
 
     from relex.demo import QUICK, run_demo
     summary = run_demo(QUICK, "runs/demo-quick")
 
 Stages, each a library call, all written into one run folder (the layout `relex report` reads):
 
-    1. train        a short GRPO warmup on 2-term arithmetic (configs/smollm2-arithmetic.yaml), recording the
-                    deltas θ_s − θ₀                                        -> RUN/config.yaml, log.jsonl, trajectory/
-    2. fit          rank-1 fit on the first ~20% of the recorded steps     -> RUN/fit/
-    3. extrapolate  relex and the two-point baseline at 1× and 2× the run length
-                                                                           -> RUN/extrapolated/, RUN/two-point/
-    4. backtest     predict the later recorded steps from the prefix       -> RUN/backtest.json
-    5. evaluate     base, the real final RLVR checkpoint (trajectory@LAST) and the extrapolated ones on held-out
-                    problems                                               -> RUN/eval/
-    6. report       figures and Markdown                                   -> RUN/figures/, RUN/report.md
+    1. plain        GRPO on 2-term arithmetic (configs/smollm2-arithmetic.yaml) through the accelerate loop with
+                    jumps off: the same segments and validation scores, never a jump      -> RUN/plain/
+    2. accelerated  the same recipe, seed and GRPO budget, jumping where the validation guard allows it
+                    (candidates at α × the segment, fitted line and anchored)             -> RUN/accelerated/
+    3. evaluate     the plain run's final weights, the accelerated run's and the base on held-out problems
+                                                                                          -> RUN/eval/
+    4. report       the jumps figure, the decisions and the evaluation                    -> RUN/figures/, RUN/report.md
 
 `RUN/demo.json` records the plan and the seconds each stage took. Aimed budgets on 2 otherwise idle CPU cores:
-the default plan (40 steps of 8 prompts × 8 rollouts, recorded every 2; 64 test problems per checkpoint) about
-30 minutes; `--quick` (8 steps of 2 prompts × 4 rollouts, recorded every 2; 16 problems, 32-token completions),
-the smallest run that exercises every stage, about 5. Training dominates: on a 2-core machine shared with other
-jobs a `--quick` run took 19.6 minutes, 14 of them training. The test problems are the first `eval_n` of the
-task's held-out split; `relex eval RUN/extrapolated/step-S ... --n 200` on the same folders gives tighter intervals.
+the default plan (16 GRPO steps per run of 4 prompts × 8 rollouts, a decision every 4; 64 validation and 100 test
+problems) about 25 minutes; `--quick` (4 steps per run of 2 prompts × 4 rollouts, a decision every 2; 20 validation
+and 16 test problems, 24-token completions) about 5. One-shot extrapolation far past the observed steps (5× and
+10× the run) is not shown here: at this scale it fails (analysis/README.md), which is why the loop jumps in short,
+checked steps.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import shutil
 import time
 from contextlib import contextmanager
@@ -39,26 +36,26 @@ from relex.errors import RelexError
 LOG = logging.getLogger(__name__)
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "smollm2-arithmetic.yaml"
-MIN_OBSERVED = 3  # recorded steps the fit sees at least: two define a line, a third tests it
 MARKER = "demo.json"
+PLAIN, ACCELERATED = "plain", "accelerated"
 
 
 @dataclass(frozen=True)
 class DemoPlan:
-    max_steps: int
-    record_every: int
+    max_steps: int  # GRPO steps of each run
+    segment_steps: int  # a jump decision after every this many
+    validation_size: int  # validation problems per decision
     eval_n: int  # held-out problems per checkpoint
     max_new_tokens: int  # evaluation completions
-    observe_fraction: float = 0.2  # the fit sees the recorded steps in the first fraction of the run
-    horizons: tuple[float, ...] = (1.0, 2.0)  # targets, as multiples of the run length
+    margin: float = 0.05
     batch_size: int = 32
     grpo: dict = field(default_factory=dict)  # on top of the config file's `grpo`
 
 
-DEFAULT = DemoPlan(max_steps=30, record_every=2, eval_n=100, max_new_tokens=32, batch_size=64)
+DEFAULT = DemoPlan(max_steps=16, segment_steps=4, validation_size=64, eval_n=100, max_new_tokens=32, batch_size=64)
 QUICK = DemoPlan(
-    max_steps=8, record_every=2, eval_n=16, max_new_tokens=32, batch_size=16,
-    grpo={"num_generations": 4, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_completion_length": 32},
+    max_steps=4, segment_steps=2, validation_size=20, eval_n=16, max_new_tokens=24, batch_size=20,
+    grpo={"num_generations": 4, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_completion_length": 24},
 )
 
 
@@ -74,42 +71,25 @@ def prepare_out(out: Path, overwrite: bool) -> None:
     shutil.rmtree(out)
 
 
-def train(plan: DemoPlan, run_dir: Path, config_file: Path) -> Path:
+def run_config(plan: DemoPlan, config_file: Path, out: Path, *, jump: bool):
+    """The config file's recipe with the plan's budget, and the loop's settings (jumps on or off)."""
+    from relex.accelerate.run import accelerate_config
     from relex.evaluate.config import read_yaml_mapping
-    from relex.train import load_config, run_training
+    from relex.train import load_config
 
     data = read_yaml_mapping(config_file)
     data["grpo"] = {**(data.get("grpo") or {}), **plan.grpo}
-    config = load_config(base=data, out=run_dir, max_steps=plan.max_steps, record_every=plan.record_every)
-    return run_training(config, show_progress=True)
+    config = load_config(base=data, out=out, max_steps=plan.max_steps)
+    loop = accelerate_config(config, segment_steps=plan.segment_steps, validation_size=plan.validation_size,
+                             margin=plan.margin, jump=jump, batch_size=plan.batch_size)
+    return config, loop
 
 
-def observed_prefix(steps: list[int], fraction: float) -> int:
-    """The last recorded step the fit sees: the first `fraction` of the recorded steps, at least MIN_OBSERVED."""
-    count = max(MIN_OBSERVED, math.ceil(fraction * len(steps)))
-    if count >= len(steps):
-        raise RelexError(f"{len(steps)} recorded steps {steps}: too few to fit on {count} and hold out the rest; train longer")
-    return steps[count - 1]
+def train(plan: DemoPlan, run_dir: Path, config_file: Path, *, jump: bool) -> Path:
+    from relex.accelerate import run_accelerate
 
-
-def horizon_targets(last_step: int, horizons: tuple[float, ...]) -> list[int]:
-    return sorted({max(1, round(h * last_step)) for h in horizons})
-
-
-def extrapolate(store, fit, run_dir: Path, targets: list[int]) -> dict[str, list]:
-    """relex from the fit, and the two-point baseline (base → last observed step), at every target."""
-    from relex.extrapolate import ExtrapolateConfig, extrapolate_store
-
-    relex = extrapolate_store(store, run_dir / "extrapolated", ExtrapolateConfig(targets, "relex", fit=fit.config), fit)
-    two_point = extrapolate_store(store, run_dir / "two-point", ExtrapolateConfig(targets, "two-point", fit=fit.config))
-    return {"relex": relex, "two-point": two_point}
-
-
-def backtest(store, observe_until: int, run_dir: Path) -> None:
-    from relex.backtest import DEFAULT_METHODS, backtest_store
-    from relex.fit import FitConfig
-
-    backtest_store(store, observe_until, list(DEFAULT_METHODS), FitConfig()).save(run_dir / "backtest.json")
+    config, loop = run_config(plan, config_file, run_dir, jump=jump)
+    return run_accelerate(config, loop, show_progress=True)
 
 
 def evaluate_checkpoints(plan: DemoPlan, run_dir: Path, checkpoints: list[str], task: dict):
@@ -141,42 +121,33 @@ class StageClock:
 class DemoResult:
     run_dir: Path
     report: Path
-    observe_until: int
-    last_step: int
-    targets: list[int]
+    runs: dict[str, dict]  # plain / accelerated: their accelerate-summary.json
     evaluation: object  # relex.evaluate.EvalResult
     seconds: dict[str, float]
 
 
 def run_demo(plan: DemoPlan, out: str | Path, *, config_file: str | Path = DEMO_CONFIG, overwrite: bool = False) -> DemoResult:
     """Every stage of the module docstring, in order, into `out`; returns where things are and the evaluation."""
-    from relex.fit import FitConfig, fit_store
     from relex.report import write_report
     from relex.store import TrajectoryStore
-    from relex.train.config import load_config
 
     run_dir, config_file = Path(out), Path(config_file)
-    task = asdict(load_config(config_file).task)  # checks the config before anything is written
+    config, _ = run_config(plan, config_file, run_dir / PLAIN, jump=False)  # checks everything before writing
+    task = asdict(config.task)
     prepare_out(run_dir, overwrite)
+    run_dir.mkdir(parents=True, exist_ok=True)
     clock = StageClock()
-    with clock.stage("train"):
-        train(plan, run_dir, config_file)
-    store = TrajectoryStore.open(run_dir / "trajectory")
-    observe_until, last = observed_prefix(store.steps, plan.observe_fraction), store.steps[-1]
-    targets = horizon_targets(last, plan.horizons)
-    with clock.stage("fit"):
-        fit = fit_store(store, FitConfig(observe_until=observe_until))
-        fit.save(run_dir / "fit")
-    with clock.stage("extrapolate"):
-        written = extrapolate(store, fit, run_dir, targets)
-    with clock.stage("backtest"):
-        backtest(store, observe_until, run_dir)
-    checkpoints = [str(store.base_dir.resolve()), f"{store.path.resolve()}@{last}"]
-    checkpoints += [str(r.path.resolve()) for reports in written.values() for r in reports]
+    with clock.stage("plain GRPO"):
+        train(plan, run_dir / PLAIN, config_file, jump=False)
+    with clock.stage("accelerated"):
+        train(plan, run_dir / ACCELERATED, config_file, jump=True)
+    runs = {name: json.loads((run_dir / name / "accelerate-summary.json").read_text()) for name in (PLAIN, ACCELERATED)}
+    base = TrajectoryStore.open(run_dir / PLAIN / "segments" / "000").base_dir
+    checkpoints = [str((run_dir / PLAIN / "final").resolve()), str((run_dir / ACCELERATED / "final").resolve()), str(base.resolve())]
     with clock.stage("evaluate"):
         evaluation = evaluate_checkpoints(plan, run_dir, checkpoints, task)
     with clock.stage("report"):
         report = write_report(run_dir)
-    marker = {"plan": asdict(plan), "observe_until": observe_until, "last_step": last, "targets": targets, "seconds": clock.seconds}
+    marker = {"plan": asdict(plan), "runs": runs, "seconds": clock.seconds}
     (run_dir / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
-    return DemoResult(run_dir, report, observe_until, last, targets, evaluation, clock.seconds)
+    return DemoResult(run_dir, report, runs, evaluation, clock.seconds)

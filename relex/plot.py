@@ -46,6 +46,9 @@ SERIES_STYLE = {
     "two-point": ("two-point", "tab:green", "s"),
     "per-param": ("per-parameter LS", "tab:purple", "^"),
     "reconstruct": ("rank-r reconstruction", "tab:orange", "v"),
+    "relex-anchored": ("relex, anchored at the last step", "tab:brown", "P"),
+    "plain GRPO": ("plain GRPO (final)", "tab:blue", "o"),
+    "accelerate": ("relex accelerate (final)", "tab:red", "X"),
 }
 
 

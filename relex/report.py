@@ -269,11 +269,16 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     out = Path(out) if out is not None else run.root / "report.md"
     figures = Figures(out)
     parts = [f"# relex report: {run.root.resolve().name}", "", f"Run folder `{run.root}`. Sections without their inputs say which command makes them.", ""]
-    parts += config_section(run)
+    accelerated = accelerated_runs(run.root)
+    if not accelerated or accelerated == [run.root]:  # a run folder; a demo's folder holds its runs instead
+        parts += config_section(run)
     parts += accelerate_section(run, figures)
-    parts += rewards_section(run, figures)
-    parts += fit_section(run, figures)
-    parts += backtest_section(run)
+    if not accelerated:  # the single trajectory of relex train; accelerate fits each segment at its jump
+        parts += rewards_section(run, figures)
+        parts += fit_section(run, figures)
+        parts += backtest_section(run)
+    elif accelerated == [run.root]:
+        parts += rewards_section(run, figures)
     parts += eval_section(run, figures)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, "\n".join(parts).rstrip() + "\n", lock=True)

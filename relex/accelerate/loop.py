@@ -210,6 +210,13 @@ class JumpController(TrainerCallback):
         tmp = self.run_dir / f".{FINAL}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         save_base(self._model, float_state(self._model), tmp, self._tokenizer)
+        jumps = read_jumps(self.run_dir)
+        provenance = {  # what `relex plot accuracy` and `relex report` read: the GRPO steps spent are the x axis
+            "made_by": "relex accelerate", "method": "accelerate" if self.config.jump else "plain GRPO",
+            "target_step": state.global_step, "grpo_steps": state.global_step, "as_if_step": self.virtual_step,
+            "jumps": sum(1 for j in jumps if j["jumped"]), "decisions": len(jumps), "run": str(self.run_dir.resolve()),
+        }
+        (tmp / "relex.json").write_text(json.dumps(provenance, indent=1) + "\n")
         tmp.rename(final)
         self._write_summary(state)
 
