@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             level=logging.DEBUG if args.verbose else logging.INFO,
             format="%(levelname)s %(name)s: %(message)s",
         )
+        logging.captureWarnings(True)  # library deprecation warnings go through the log, and so appear once
         for handler in logging.getLogger().handlers:
             if not any(isinstance(f, OnceFilter) for f in handler.filters):
                 handler.addFilter(OnceFilter())
