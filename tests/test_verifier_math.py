@@ -254,6 +254,7 @@ def test_hedging_pays_for_one_candidate_at_most(completion):
         ("\\boxed{[0, 1)}", "[0, 1)", 1.0),  # intervals
         ("\\boxed{(0, 1]}", "[0, 1)", 0.0),
         ("\\boxed{" * 6000 + "38}", "38", 1.0),  # unclosed boxes around the last one
+        ("\\boxed{\\boxed{38}}", "38", 1.0),  # a box in a box is one answer
         ("I cannot answer that.", "38", 0.0),
         ([{"role": "assistant", "content": "\\boxed{14}"}], "14", 1.0),
     ],

@@ -151,13 +151,22 @@ def committed_region(text: str) -> str:
     expressions never see a long input.
     """
     text = ascii_digits(text)
-    spans = boxed_spans(text)
+    spans = _outermost(boxed_spans(text))
     anchor = _last_match(_FINAL_ANSWER, text)
     if anchor is not None and (not spans or anchor > spans[-1][1]):
         return text[anchor : anchor + REGION_CHARS]
     if spans:
         return text[_box_group_start(text, spans) : spans[-1][1]]
     return text[-REGION_CHARS:]
+
+
+def _outermost(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The boxes that are not inside another box (`\\boxed{\\boxed{38}}` is one box)."""
+    outer: list[tuple[int, int]] = []
+    for start, end in spans:
+        if not outer or start >= outer[-1][1]:
+            outer.append((start, end))
+    return outer
 
 
 def _last_match(pattern: re.Pattern, text: str) -> int | None:
