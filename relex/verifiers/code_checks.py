@@ -7,7 +7,8 @@
 Each top-level statement becomes one step, in order. An assert whose one side is a Python literal (`f(x) == 5`,
 `5 != f(x)`) sends only the other side: the child reports its value and this process compares it with the
 literal, so the child never sees the expected value. A constant assert (`assert False`, `assert 1 == 2`) is
-decided here without the child. Any other assert sends its whole condition and expects True. Other statements run as they are.
+decided here without the child. Any other assert sends its whole condition and expects True. Other statements
+run as they are.
 """
 
 from __future__ import annotations
