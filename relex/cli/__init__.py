@@ -73,7 +73,7 @@ class OnceFilter(logging.Filter):
 
 
 def quiet_when_piped() -> None:
-    """No progress bars when stderr is not a terminal, so piped logs and CI output get no `\r` frames.
+    """No progress bars when stderr is not a terminal, so piped logs and CI output get no carriage-return frames.
 
     tqdm reads TQDM_* defaults when it is first imported, which the subcommands do lazily, after this; it reaches
     the bars of transformers, TRL and huggingface_hub as well as relex's own.
