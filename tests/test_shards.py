@@ -73,6 +73,21 @@ def test_oversized_tensor_gets_its_own_shard_before_the_one_being_filled():
     assert shards == [["big"], ["a", "b"], ["c"]]  # what huggingface_hub's split does with 60/400/20/80 bytes
 
 
+def test_oversized_tensors_in_the_middle_of_the_order(tmp_path):
+    """A limit below the MLP matrices (8 kB) but above the attention ones: oversized shards interleave with others."""
+    base = llama(tmp_path / "base", layers=10, tied=False)
+    write_planted_run(base, tmp_path / "run", [10, 20], noise=0.0)
+    assert cli("ingest", tmp_path / "run", "--base", base, "--out", tmp_path / "store") == 0
+    assert cli("extrapolate", tmp_path / "store", "--targets", "40", "--method", "two-point", "--out", tmp_path / "out",
+               "--max-shard-size", "7KB") == 0
+    reference = tmp_path / "reference"
+    model = AutoModelForCausalLM.from_pretrained(base)
+    model.save_pretrained(reference, max_shard_size="7KB")
+    assert shard_of(tmp_path / "out" / "step-40") == shard_of(reference)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "step-40")
+    assert sorted(loaded.state_dict()) == sorted(model.state_dict())
+
+
 def test_folder_from_a_model_built_from_its_config_is_ready_for_inference(tmp_path):
     """A DeltaRecorder store of a model built from a config (no architectures) and trained without a KV cache."""
     config = LlamaConfig(

@@ -196,26 +196,33 @@ class HFFolderWriter:
         self.names = shard_names(len(self.shards))
         self.total_size = sum(tensor_bytes(info) for _, info in layout)
         self.total_parameters = sum(info.numel for _, info in layout)  # transformers' num_parameters()
-        self._writer: StreamingSafetensorsWriter | None = None
-        self._shard = -1
+        self._shard_of = {name: i for i, shard in enumerate(self.shards) for name, _ in shard}
+        self._open: dict[int, StreamingSafetensorsWriter] = {}  # the shard being filled, and an oversized tensor's
+        self._closed: set[int] = set()
 
     def write(self, name: str, values: torch.Tensor) -> None:
-        """The whole tensor or its next rows; tensors come in layout order."""
-        if self._writer is None or self._writer.complete:
-            self._next_shard()
-        self._writer.write(name, values)
+        """The whole tensor or its next rows; tensors come in layout order.
 
-    def _next_shard(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-        self._shard += 1
-        shard = self.shards[self._shard]
-        self._writer = StreamingSafetensorsWriter(self.tmp_dir / self.names[self._shard], shard, {"format": "pt"})
+        A shard's tensors are consecutive in that order, except that an oversized tensor has a shard of its own
+        placed before the one being filled; so at most two shard files are open at a time.
+        """
+        if name not in self._shard_of:
+            raise ValueError(f"{self.out_dir}: tensor {name} is not in the folder's layout")
+        index = self._shard_of[name]
+        if index not in self._open:
+            if index in self._closed:
+                raise ValueError(f"{self.out_dir}: tensor {name} comes after its shard {self.names[index]} was complete")
+            self._open[index] = StreamingSafetensorsWriter(self.tmp_dir / self.names[index], self.shards[index], {"format": "pt"})
+        writer = self._open[index]
+        writer.write(name, values)
+        if writer.complete:
+            writer.close()
+            del self._open[index]
+            self._closed.add(index)
 
     def finish(self, out_dtype: torch.dtype | None, provenance: dict) -> Path:
-        if self._shard != len(self.shards) - 1 or not self._writer.complete:
+        if len(self._closed) != len(self.shards):
             raise ValueError(f"{self.out_dir}: finished before every tensor was written")
-        self._writer.close()
         if len(self.shards) > 1:
             weight_map = {name: file for file, shard in zip(self.names, self.shards) for name, _ in shard}
             metadata = {"total_parameters": self.total_parameters, "total_size": self.total_size}
@@ -231,6 +238,6 @@ class HFFolderWriter:
         return self.out_dir
 
     def abort(self) -> None:
-        if self._writer is not None:
-            self._writer.abort()
+        for writer in self._open.values():
+            writer.abort()
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
