@@ -6,7 +6,7 @@ from pathlib import Path
 
 from relex.accelerate.config import AccelerateConfig
 from relex.accelerate.loop import JumpController, ValidationScorer
-from relex.accelerate.validation import validation_split
+from relex.accelerate.validation import carved_from_train, validation_split
 from relex.train.config import TrainConfig
 from relex.train.grpo import build_trainer, prepare
 
@@ -27,7 +27,10 @@ def run_accelerate(config: TrainConfig, accelerate: AccelerateConfig | None = No
     grpo = prepared.args
     grpo.save_steps = accelerate.segment_steps  # checkpoints at segment ends, after each decision
     if scorer is None:
-        task = validation_split(config.task, accelerate.validation_size, prepared.task.rows("train"))
+        train_rows = prepared.task.rows("train")
+        task = validation_split(config.task, accelerate.validation_size, train_rows)
+        if carved_from_train(task):  # the validation problems leave the train split
+            prepared.task._rows["train"] = train_rows[: -accelerate.validation_size]
         max_new_tokens = accelerate.max_new_tokens or grpo.max_completion_length
         scorer = ValidationScorer(task, accelerate.validation_size, accelerate.batch_size, max_new_tokens, seed=grpo.seed)
     if show_progress:

@@ -53,17 +53,38 @@ class LiveGenerator(TransformersGenerator):
 
 
 def validation_split(spec, n: int, train_rows: list[dict]):
-    """The validation Task: `n` problems disjoint from the train and test problems, checked, in one line if not."""
+    """The validation Task: `n` problems disjoint from the train and test problems, checked, in one line if not.
+
+    A task whose held-out split can be drawn again with another seed (reasoning-gym, unlabelled files) gets a
+    fresh draw minus the test questions (relex.sweep.validation_task); one with fixed split labels (a hub
+    dataset's train/test) gets its last `n` train problems, which `carve_from_train` then keeps out of training."""
     from relex.sweep import validation_task
+    from relex.tasks import Task
 
     if n < 1:
         raise RelexError("accelerate.validation_size: the validation split is empty; give at least one problem")
-    task = validation_task(spec, n)
+    try:
+        task = validation_task(spec, n)
+    except RelexError as error:
+        if len(train_rows) < 2 * n:
+            raise RelexError(f"{error}; carving {n} validation problems out of {len(train_rows)} train problems would leave too few") from None
+        LOG.info("validation problems: the last %d of the train split (the held-out split cannot be redrawn)", n)
+        return Task(f"{spec.name} (validation, from train)", load_verifier_name(spec), {EVAL: train_rows[-n:]})
     rows = task.rows(EVAL)
     leaked = count_leaked(train_rows, rows)
     if leaked:
         raise RelexError(f"task {task.name}: {leaked} of {n} validation problems also occur in the train split")
     return task
+
+
+def carved_from_train(task) -> bool:
+    return task.name.endswith("(validation, from train)")
+
+
+def load_verifier_name(spec) -> str:
+    from relex.tasks import load_task
+
+    return load_task(spec).verifier
 
 
 def snapshot(model) -> dict[str, torch.Tensor]:
