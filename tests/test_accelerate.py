@@ -230,3 +230,18 @@ def test_keep_naming_nothing_and_bad_scale_fail_in_one_line(store, tmp_path, cap
     assert cli("extrapolate", store, "--targets", "20", "--out", tmp_path / "b", "--scale", "-1") == 2
     assert "--scale" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_task_with_fixed_splits_validates_on_problems_carved_from_train(tmp_path):
+    from relex.tasks import TaskSpec, load_task
+
+    path = tmp_path / "labelled.jsonl"
+    rows = [{"question": f"What is {i} + 1?", "answer": str(i + 1), "split": "train" if i < 40 else "eval"} for i in range(50)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = TaskSpec(source="jsonl", name=str(path))
+    train = load_task(spec).rows("train")
+    task = validation_split(spec, 10, train)
+    questions = [r["question"] for r in task.rows("eval")]
+    assert questions == [r["question"] for r in train[-10:]]
+    with pytest.raises(RelexError, match="would leave too few"):
+        validation_split(spec, 30, train)
