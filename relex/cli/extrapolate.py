@@ -28,6 +28,7 @@ def add_arguments(parser):
 
 def run(args):
     from relex.cli.common import console, fit_config_from, table
+    from relex.distributed import extrapolate_across_ranks, launched
     from relex.errors import RelexError
     from relex.extrapolate import ExtrapolateConfig, extrapolate_store, parse_targets
     from relex.fit import FitResult
@@ -50,7 +51,12 @@ def run(args):
     if args.keep is not None and not config.keep:
         raise RelexError(f"--keep {args.keep!r} names no module type; give patterns like '*norm.weight'")
     fit = FitResult.load(args.fit) if args.fit else None
-    reports = extrapolate_store(store, args.out, config, fit)
+    if launched():  # under torchrun: each rank writes its share of the shards, rank 0 reports (relex.distributed)
+        reports = extrapolate_across_ranks(store, args.out, config, fit)
+        if reports is None:
+            return
+    else:
+        reports = extrapolate_store(store, args.out, config, fit)
     rows = [[r.path.name, r.target, r.horizon_ratio, "yes" if r.interpolation else "no", r.delta_norm, r.rounding_loss] for r in reports]
     last_observed = round(reports[0].target / reports[0].horizon_ratio)
     console.print(table(

@@ -19,6 +19,7 @@ def add_arguments(parser):
 
 def run(args):
     from relex.cli.common import console, fit_config_from
+    from relex.distributed import fit_across_ranks, launched
     from relex.fit import fit_store, refit
     from relex.io.atomic import check_output, write_lock
     from relex.store import TrajectoryStore
@@ -26,6 +27,12 @@ def run(args):
     store = TrajectoryStore.open(args.store)
     inputs = [store.path, store.base_dir, args.gram_from]
     check_output(args.out, overwrite=args.overwrite, inputs=inputs)  # before the pass, not after it
+    if launched():  # under torchrun: the ranks share the pass, rank 0 writes and reports (relex.distributed)
+        result = fit_across_ranks(store, fit_config_from(args), args.out, overwrite=args.overwrite, inputs=inputs, gram_from=args.gram_from)
+        if result is not None:
+            print_fit_summary(result)
+            console.print(f"fit written to {args.out} (diagnostics.csv per tensor)")
+        return
     with write_lock(args.out):
         config = fit_config_from(args)
         result = refit(store, config, args.gram_from) if args.gram_from else fit_store(store, config)

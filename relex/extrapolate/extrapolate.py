@@ -92,7 +92,10 @@ def output_layout(
 class _Pass:
     """State of one extrapolation pass: the writers of every target and how each tensor is computed."""
 
-    def __init__(self, store: TrajectoryStore, out_dir: Path, config: ExtrapolateConfig, fit: FitResult | None):
+    def __init__(
+        self, store: TrajectoryStore, out_dir: Path, config: ExtrapolateConfig, fit: FitResult | None,
+        reads: set[str] | None = None,  # only these trajectory tensors are read: one rank's share (relex.distributed)
+    ):
         self.store, self.out_dir, self.config, self.fit = store, out_dir, config, fit
         self.method: Method = get_method(config.method)
         steps = fit.steps.tolist() if fit is not None else observed_steps(store, config.fit.observe_until)
@@ -119,7 +122,7 @@ class _Pass:
         # run ahead in the reader's background thread.
         plan = []
         self._blocks_per_read: dict[str, int] = {}  # how many stream blocks one read of a tensor takes
-        for name in (n for n, _ in self.layout if n in self.trajectory):
+        for name in (n for n, _ in self.layout if n in self.trajectory and (reads is None or n in reads)):
             if self._cacheable(name):
                 rows = [None]
                 plan.append(Block(name, None, gram=True))
