@@ -115,6 +115,34 @@ def test_the_readme_command_runs_with_real_validation(tmp_path):
     assert len(jumps) == 2 and jumps[0]["validation_n"] == 20
     assert len(list((run / "segments").iterdir())) >= 2
     assert not (run / "jumps" / "000" / "candidates").exists()  # scored, then removed
+    lines = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    assert lines[0]["reward_slope"] is None and isinstance(lines[-1]["reward_slope"], float)  # the train-log warning
+    assert cli("plot", "jumps", run, "--out", tmp_path / "jumps.png") == 0 and (tmp_path / "jumps.png").stat().st_size > 0
+    assert cli("report", run) == 0
+    report = (run / "report.md").read_text()
+    assert "## Accelerated training" in report and "| 2 |" in report and (run / "figures" / "jumps.png").is_file()
+
+
+def test_the_early_warning_stops_the_jump_before_any_candidate_is_written(tmp_path):
+    scorer = scorer_preferring(candidates=True)
+    run = accelerate_run(tmp_path, scorer, warning={"min_reward_slope": 1e9})
+    first = read_jumps(run)[0]
+    assert not first["jumped"] and first["reason"].startswith("linearity warning: the reward stopped rising")
+    assert first["candidates"] == [] and scorer.calls[0] == ["current"]
+    assert first["signals"]["raised"] and first["signals"]["explained_variance"] is not None
+
+
+def test_warning_signals_against_thresholds():
+    from relex.accelerate.config import WarningConfig
+    from relex.accelerate.warning import Signals, check, reward_slope
+
+    assert reward_slope([0.1, 0.2, 0.3, 0.4]) == pytest.approx(0.1)
+    assert reward_slope([0.5]) is None
+    config = WarningConfig()
+    assert not check(Signals(reward_slope=0.01, explained_variance=0.9, r2=0.9, cosine=0.5), config).raised
+    reasons = check(Signals(reward_slope=-0.01, explained_variance=0.3, r2=0.2, cosine=-0.1), config).reasons
+    assert len(reasons) == 4
+    assert not check(Signals(reward_slope=-1.0), WarningConfig(enabled=False)).raised
 
 
 # ---- the guard ------------------------------------------------------------------------------------------------------
