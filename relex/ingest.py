@@ -30,6 +30,7 @@ from relex.errors import RelexError
 from relex.io.atomic import atomic_output, check_output, write_lock
 from relex.io.checkpoint import CheckpointReader, TensorInfo, read_config, weight_files
 from relex.io.dtypes import dtype_name, parse_dtype
+from relex.io.hub import hub_revisions, is_hub_path, parse_hub_path, revision_step, snapshot
 from relex.store import MANIFEST_NAME, MAX_STEP, TrajectoryStore, is_store
 
 LOG = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ class Checkpoint:
 
 def resolve_base(base: str) -> Path:
     """A local HF folder, or a hub id downloaded to the local cache (needs the network)."""
+    if is_hub_path(base):  # hf://ORG/REPO@REVISION: one revision, through the hub cache (relex.io.hub)
+        return snapshot(*parse_hub_path(base))
     path = Path(base)
     if path.exists():
         weight_files(path)
@@ -116,6 +119,18 @@ def discover_checkpoints(paths: list[str | Path], steps: list[int] | None = None
     found.sort(key=lambda c: c.step)
     check_steps([c.step for c in found])
     return found
+
+
+def hub_checkpoints(paths: list[str | Path], revisions: list[str] | None, steps: list[int] | None) -> list[Checkpoint]:
+    """One checkpoint per revision of a hub repository, read in the hub cache (relex.io.hub); steps are checked
+    (from the revision names, or `steps`) before anything is fetched."""
+    repo_id, names = hub_revisions(paths, revisions)
+    if steps is not None and len(steps) != len(names):
+        raise RelexError(f"--steps gives {len(steps)} step numbers for {len(names)} revisions")
+    numbers = steps or [step_number(revision_step(name), f"revision {name}") for name in names]
+    order = sorted(range(len(names)), key=numbers.__getitem__)
+    check_steps([numbers[i] for i in order])
+    return [Checkpoint(numbers[i], snapshot(repo_id, names[i]), "hub") for i in order]
 
 
 def check_steps(steps: list[int]) -> None:
@@ -205,12 +220,16 @@ def ingest(
     delta_dtype: str | None = None,
     overwrite: bool = False,
     repoint: bool = False,
+    revisions: list[str] | None = None,
 ) -> TrajectoryStore:
     """Make the store `out` from the checkpoints under `paths` (or, with `repoint`, point `out` at them)."""
     out = Path(out)
     if repoint:
         return repoint_store(paths, base, out, steps)
-    checkpoints = discover_checkpoints(paths, steps)
+    if revisions or any(is_hub_path(p) for p in paths):
+        checkpoints = hub_checkpoints(paths, revisions, steps)
+    else:
+        checkpoints = discover_checkpoints(paths, steps)
     base_dir = resolve_base(base)
     inputs = [*paths, *(c.folder for c in checkpoints), base_dir]
     check_output(out, overwrite=overwrite, inputs=inputs)

@@ -2,7 +2,12 @@
 
 
 def add_arguments(parser):
-    parser.add_argument("checkpoints", nargs="+", help="a run folder, step folders, or plain HF folders")
+    parser.add_argument("checkpoints", nargs="+", help="a run folder, step folders, plain HF folders, or hf://ORG/REPO with --revisions")
+    parser.add_argument(
+        "--revisions", default=None,
+        help="hub revisions holding the steps, e.g. 'step_{1..75}' or main,step_10 (fetched into the hub cache and read "
+        "there; HF_HUB_OFFLINE=1 uses the cache only); steps from the digits ending each name, or --steps",
+    )
     parser.add_argument("--base", required=True, help="the base checkpoint θ₀: a HF folder (or a hub id)")
     parser.add_argument("--out", required=True, help="the store folder to create")
     parser.add_argument("--steps", default=None, help="step numbers of plain folders, e.g. 10,20,40")
@@ -21,10 +26,12 @@ def add_arguments(parser):
 def run(args):
     from relex.cli.common import console
     from relex.ingest import ingest, parse_steps
+    from relex.io.hub import expand_revisions
 
     store = ingest(
         args.checkpoints, args.base, args.out, steps=parse_steps(args.steps), copy=args.copy,
         delta_dtype=args.delta_dtype, overwrite=args.overwrite, repoint=args.repoint,
+        revisions=expand_revisions(args.revisions) if args.revisions is not None else None,
     )
     if args.repoint:
         console.print(f"store {store.path}: re-pointed at {', '.join(map(str, args.checkpoints))} (base {store.base_dir})")
