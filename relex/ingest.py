@@ -31,6 +31,7 @@ from relex.io.atomic import atomic_output, check_output, write_lock
 from relex.io.checkpoint import CheckpointReader, TensorInfo, read_config, weight_files
 from relex.io.dtypes import dtype_name, parse_dtype
 from relex.io.hub import hub_revisions, is_hub_path, parse_hub_path, revision_step, snapshot
+from relex.io.verl_shards import open_checkpoint, shard_files
 from relex.store import MANIFEST_NAME, MAX_STEP, TrajectoryStore, is_store
 
 LOG = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ def resolve_base(base: str) -> Path:
 
 
 def _verl_model_dir(folder: Path) -> Path:
+    if shard_files(folder / "actor") and not any((folder / "actor" / "huggingface").glob("*.safetensors")):
+        return folder / "actor"  # unmerged FSDP shards, read as they are (relex.io.verl_shards)
     for sub in VERL_MODEL_DIRS:
         candidate = folder / sub
         if candidate.is_dir():
@@ -241,7 +244,7 @@ def ingest(
         base_infos = base_reader.infos()
         readers = []
         for checkpoint in checkpoints:
-            reader = CheckpointReader(checkpoint.folder)
+            reader = open_checkpoint(checkpoint.folder)
             readers.append((checkpoint, reader, validate_checkpoint(base_infos, checkpoint, reader)))
         tied = declared_ties(base_dir, base_infos)
         for checkpoint, reader, _ in tqdm(readers, desc="ingest: checking values", unit="step", leave=False):
@@ -321,7 +324,7 @@ def repoint_store(paths: list[str | Path], base: str, out: Path, steps: list[int
         raise RelexError(f"base {base_dir}: tensor {differing[0]} is not as in the store {out}; this is another model")
     for entry in referenced:
         checkpoint = checkpoints[entry.step]
-        validate_checkpoint(expected, checkpoint, CheckpointReader(checkpoint.folder))
+        validate_checkpoint(expected, checkpoint, open_checkpoint(checkpoint.folder))
     with store.lock():
         store.repoint({e.step: checkpoints[e.step].folder for e in referenced}, base_dir)
     LOG.info("%s: %d referenced steps and the base re-pointed", out, len(referenced))
