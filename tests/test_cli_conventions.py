@@ -8,8 +8,10 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -132,3 +134,23 @@ def test_piped_output_has_no_progress_frames(tmp_path, store):
     assert done.returncode == 0, done.stderr
     assert "\r" not in done.stderr and "\r" not in done.stdout
     assert "horizon ratio = step / 30" in done.stdout
+
+
+def test_sweep_prints_the_horizon_ratio_as_extrapolate_does(tmp_path, monkeypatch, capsys):
+    import relex.sweep
+    from relex.sweep import Comparison, SweepResult
+
+    def row(accuracy):
+        return {"checkpoint": "x", "accuracy": accuracy, "ci_low": accuracy - 0.1, "ci_high": accuracy + 0.1, "n": 16}
+
+    def fake_sweep(store, out, config):
+        return SweepResult(
+            Path(out), 18, row(0.3), Comparison("base", 0.2, 0.1, 0.3), Comparison("last", 0.0, -0.1, 0.1), 12,
+            {t: row(0.3) for t in config.targets}, {"base": row(0.1), "last observed": row(0.3)},
+        )
+
+    monkeypatch.setattr(relex.sweep, "sweep", fake_sweep)
+    assert cli("sweep", tmp_path, "--targets", "18,24", "--task", "chain_sum", "--out", tmp_path / "sweep") == 0
+    out = capsys.readouterr().out
+    assert "horizon ratio = step / 12, the last observed step" in out
+    assert re.search(r"step 18 .*1\.500", out) and re.search(r"step 24 .*2\.000", out)

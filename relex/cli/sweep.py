@@ -5,7 +5,11 @@ def add_arguments(parser):
     from relex.cli.common import add_fit_options
 
     parser.add_argument("store", help="a trajectory store")
-    parser.add_argument("--targets", required=True, help="target steps to compare, e.g. 100,200,400")
+    parser.add_argument(
+        "--targets", required=True,
+        help="target steps to compare, e.g. 100,200,400; each is shown with its horizon ratio, target step / last "
+        "observed step (both counted from the base)",
+    )
     parser.add_argument("--task", default=None, help="chain_sum or reasoning_gym:NAME, FILE.jsonl, or hf:DATASET_ID")
     parser.add_argument("--task-file", default=None, metavar="FILE", help="YAML file with a `task:` mapping (e.g. the run's config.yaml)")
     parser.add_argument("--task-config", default=None, metavar="JSON|FILE", help="the task's config, inline JSON or a file")
@@ -34,6 +38,7 @@ def task_from(args):
 def run(args):
     from relex.cli.common import console, fit_config_from, table
     from relex.extrapolate import parse_targets
+    from relex.extrapolate.methods import horizon_ratio
     from relex.sweep import SweepConfig, sweep
 
     config = SweepConfig(
@@ -41,8 +46,15 @@ def run(args):
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed, overwrite=args.overwrite,
     )
     result = sweep(args.store, args.out, config)
-    rows = [[name, "", r["accuracy"], r["ci_low"], r["ci_high"]] for name, r in result.references.items()]
-    rows += [[f"step {t}", "◀ best" if t == result.best_target else "", r["accuracy"], r["ci_low"], r["ci_high"]] for t, r in result.accuracies.items()]
-    console.print(table(f"validation accuracy ({args.method}, {config.n} problems)", ["checkpoint", "", "accuracy", "95% low", "95% high"], rows))
+    rows = [[name, "", "", r["accuracy"], r["ci_low"], r["ci_high"]] for name, r in result.references.items()]
+    rows += [
+        [f"step {t}", horizon_ratio(t, result.last_step), "◀ best" if t == result.best_target else "", r["accuracy"], r["ci_low"], r["ci_high"]]
+        for t, r in result.accuracies.items()
+    ]
+    console.print(table(
+        f"validation accuracy ({args.method}, {config.n} problems)",
+        ["checkpoint", "horizon ratio", "", "accuracy", "95% low", "95% high"], rows,
+        caption=f"horizon ratio = step / {result.last_step}, the last observed step (both counted from the base)",
+    ))
     console.print(result.verdict())
     console.print(f"checkpoints in {result.out_dir / 'checkpoints'}, details in {result.out_dir / 'sweep.json'}")

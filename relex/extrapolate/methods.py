@@ -38,6 +38,15 @@ class Plan:
         return int(hits[0])
 
 
+def horizon_ratio(target: int, last_observed: int) -> float:
+    """How far past the data a target lies, the same for every method: target / last observed step.
+
+    Both are counted from the base (step 0), as RLVR horizons are reported: 2.0 means twice the observed run, and a
+    ratio ≤ 1 is a target inside the observed steps (interpolation).
+    """
+    return float(target / last_observed)
+
+
 class Method:
     name = ""
     needs_fit = False  # needs the rank-r fit (the Gram pass)
@@ -47,11 +56,7 @@ class Method:
         """Raise for targets or options this method cannot serve (before any data is read)."""
 
     def horizon_ratio(self, plan: Plan, target: int) -> float:
-        """How far past the data the target lies, the same for every method: target / last observed step.
-
-        Both are counted from the base (step 0), as RLVR horizons are reported: 2.0 means twice the observed run.
-        """
-        return float(target / plan.steps[-1])
+        return horizon_ratio(target, int(plan.steps[-1]))
 
     def weights(self, plan: Plan, targets: np.ndarray, fit: TensorFit | None) -> np.ndarray:
         raise NotImplementedError
