@@ -44,6 +44,7 @@ from relex.io.atomic import clean_leftovers_inside, write_json_atomic, write_loc
 from relex.io.checkpoint import CheckpointReader, TensorInfo
 from relex.io.dtypes import SAFETENSORS_TO_TORCH, dtype_name, from_name
 from relex.io.stream_writer import StreamingSafetensorsWriter
+from relex.io.verl_shards import open_checkpoint
 
 LOG = logging.getLogger(__name__)
 
@@ -221,7 +222,7 @@ class TrajectoryStore:
                 folder = self.checkpoint_dir(entry)
                 if not folder.is_dir():
                     raise self.missing_reference(folder, f"the checkpoint of step {entry.step}")
-                files.update(CheckpointReader(folder).files.values())
+                files.update(open_checkpoint(folder).files.values())
             else:
                 files.add(self.path / entry.path)
         return sum(f.stat().st_size for f in files if f.is_file())
@@ -491,7 +492,7 @@ class TrajectoryReader:
             folder = self.store.checkpoint_dir(entry)
             if not folder.is_dir():
                 raise self.store.missing_reference(folder, f"the checkpoint of step {entry.step}")
-            return CheckpointReader(folder, self.direct)
+            return open_checkpoint(folder, self.direct)  # safetensors, or verl's unmerged shards
         return CheckpointReader.from_file(self.store.path / entry.path, self.direct)
 
     # ---- which rows ------------------------------------------------------------------------------------------------
@@ -542,7 +543,7 @@ class TrajectoryReader:
                     raise RelexError(f"tensor {name}: NaN or Inf at step {entry.step}")
 
     def stream(
-        self, blocks: Sequence[Block], device: torch.device | None = None, readers: int | None = None
+        self, blocks: Sequence[Block], device: torch.device | None = None, readers: int | None = None, gram=None
     ) -> Iterator[tuple[Block, torch.Tensor, torch.Tensor | None]]:
         """(block, M restricted to its rows, its Gram M Mᵀ or None) for each planned block, in order.
 
@@ -552,12 +553,15 @@ class TrajectoryReader:
         is waiting for reads.
         Each matrix is a view of a reused buffer and stays valid only until the next one is asked for. An error
         while reading (a changed checkpoint, a short file) is raised here, at the block it concerns.
+        `gram` is the caller's Gram arithmetic, with `prepare(device)` and `chunk_gram(matrix, device)`
+        (relex.fit.gram.GRAM): the store reads, the fit computes, and neither imports the other's layer upward.
         """
-        from relex.fit.gram import chunk_gram, prepare
-
         device = device or torch.device("cpu")
         blocks = list(blocks)
         if any(block.gram for block in blocks):  # load the Gram kernel while the first reads run
+            if gram is None:
+                raise ValueError("TrajectoryReader.stream: blocks ask for Gram matrices but no `gram` arithmetic was given")
+            chunk_gram, prepare = gram.chunk_gram, gram.prepare
             threading.Thread(target=prepare, args=(device,), name="relex-prepare", daemon=True).start()
         steps = len(self.entries)
         size = max((steps * self.block_numel(b.name, b.rows) for b in blocks), default=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 import time
 
 import pytest
@@ -40,10 +41,13 @@ def test_stream_yields_every_planned_block_in_order_with_its_gram(store, readers
     blocks = plan(reader, store.trajectory_names, max_elements=7 * len(store.steps) * 64)  # blocks of a few rows
     sides = []
     real_gram = relex.fit.gram.chunk_gram
-    monkeypatch.setattr(relex.fit.gram, "chunk_gram", lambda m, d: sides.append(threading.current_thread().name) or real_gram(m, d))
+    counting = SimpleNamespace(
+        prepare=relex.fit.gram.prepare,
+        chunk_gram=lambda m, d: sides.append(threading.current_thread().name) or real_gram(m, d),
+    )
     threads_before = torch.get_num_threads()
     seen = []
-    for block, matrix, gram in reader.stream(blocks, readers=readers):
+    for block, matrix, gram in reader.stream(blocks, readers=readers, gram=counting):
         expected = store.reader().read(block.name, block.rows)
         assert torch.equal(matrix, expected), block
         if block.gram:
@@ -86,7 +90,7 @@ def test_a_reading_error_is_raised_at_its_block_and_the_readers_stop(planted, tm
     threads_before = torch.get_num_threads()
     served = []
     with pytest.raises(RelexError, match=f"tensor {bad_name}: NaN or Inf at step {bad_step}"):
-        for block, _, _ in reader.stream(blocks, readers=2):
+        for block, _, _ in reader.stream(blocks, readers=2, gram=relex.fit.gram.GRAM):
             served.append(block.name)
     assert served == store.trajectory_names[:3]
     assert reader_threads() == 0

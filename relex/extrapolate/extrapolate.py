@@ -26,7 +26,7 @@ from relex import __version__
 from relex.errors import RelexError
 from relex.extrapolate.methods import Method, Plan, check_scale, get_method, kept_weights, scaled_weights
 from relex.fit.fit import FitConfig, FitResult, fit_from_grams, module_type, observed_steps, validate, window_indices
-from relex.fit.gram import resolve_device
+from relex.fit.gram import GRAM, resolve_device
 from relex.fit.trajectory_fit import TensorFit, fit_tensor
 from relex.io.atomic import atomic_output, check_output, write_lock
 from relex.io.checkpoint import CheckpointReader, TensorInfo, read_config
@@ -132,7 +132,7 @@ class _Pass:
                     plan += [Block(name, r, gram=True) for r in rows]
                 plan += [Block(name, r) for r in rows]
             self._blocks_per_read[name] = len(rows)
-        self._stream = self.reader.stream(plan, self.device)
+        self._stream = self.reader.stream(plan, self.device, gram=GRAM)
 
     def _needs_gram(self) -> bool:
         return self.method.needs_fit and self.fit is None

@@ -13,6 +13,7 @@ import functools
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Iterator
 
 import numpy as np
@@ -99,6 +100,10 @@ def _thread_pool() -> ThreadPoolExecutor:
         return _pool
 
 
+# what TrajectoryReader.stream calls to form the Gram of a block it has read (the store itself does no arithmetic)
+GRAM = SimpleNamespace(prepare=prepare, chunk_gram=chunk_gram)
+
+
 def tensor_gram(reader, name: str, device: torch.device, max_elements: int) -> np.ndarray:
     """G for tensor `name` over the reader's steps, reading one row block at a time."""
     return dict(tensor_grams(reader, [name], device, max_elements))[name]
@@ -111,7 +116,7 @@ def tensor_grams(reader, names: list[str], device: torch.device, max_elements: i
     plan = [Block(name, rows, gram=True) for name in names for rows in reader.row_blocks(name, max_elements)]
     steps = len(reader.steps)
     current, gram = None, None
-    for block, _, part in reader.stream(plan, device):
+    for block, _, part in reader.stream(plan, device, gram=GRAM):
         if block.name != current:
             if current is not None:
                 yield current, gram.cpu().numpy()
