@@ -89,7 +89,9 @@ class DeltaRecorder(TrainerCallback):
 
     # ---- trainer events ----------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
-        if not state.is_world_process_zero:
+        if model is not None:  # every rank refuses sharded parameters, so no rank trains on waiting for another
+            float_state(unwrap_model(model))
+        if not state.is_world_process_zero:  # under DDP the main process records; the others do nothing
             return
         if model is None:
             raise RelexError("DeltaRecorder: the trainer passed no model to the callback")
