@@ -95,6 +95,15 @@ def test_out_that_is_a_file(store, tmp_path, capsys):
     assert out.read_text() == "keep me"
 
 
+def test_a_folder_the_os_refuses(store, tmp_path, capsys, monkeypatch):
+    def refused(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "mkdir", refused)
+    message = run_fails(capsys, "fit", store, "--out", tmp_path / "ro" / "fit")
+    assert "cannot write there (Permission denied)" in message
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_read_only_output_folder(store, tmp_path, capsys):
     parent = tmp_path / "ro"
@@ -202,7 +211,7 @@ KILLED = textwrap.dedent(
 )
 
 
-def run_until_killed(tmp_path: Path, *args) -> None:
+def run_until_killed(tmp_path: Path, *args, how: int = signal.SIGKILL) -> None:
     marker = tmp_path / "marker"
     marker.unlink(missing_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -211,14 +220,15 @@ def run_until_killed(tmp_path: Path, *args) -> None:
     while not marker.exists():
         assert child.poll() is None and time.time() < deadline, "the child ended before it was killed"
         time.sleep(0.05)
-    child.send_signal(signal.SIGKILL)
+    child.send_signal(how)
     child.wait()
 
 
-def test_sigkill_then_the_same_command(store, tmp_path):
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
+def test_kill_then_the_same_command(store, tmp_path, how):
     out = tmp_path / "out"
     command = ("extrapolate", store, "--targets", "40,60", "--out", out)
-    run_until_killed(tmp_path, *command)
+    run_until_killed(tmp_path, *command, how=how)
     assert not out.exists()
     assert any(p.name.startswith(".out.tmp-") for p in tmp_path.iterdir())  # what the kill left behind
     assert cli(*command) == 0  # the same command, no --overwrite needed
