@@ -18,7 +18,8 @@ The next writer of OUT, holding the lock, removes the leftovers of processes tha
 puts a moved-aside old output back when the new one never arrived), and says so in one line. Locks are
 `flock` locks: the OS releases them when the process dies, so a killed writer never blocks the next one; the
 lock file is removed when released, so nothing is left beside a finished output.
-A trajectory store, which is appended to in place, is locked the same way (`write_lock(STORE)`).
+A trajectory store, which is appended to in place, is locked through its manifest
+(`write_lock(STORE/manifest.json)`, lock file `STORE/.manifest.json.lock`), so the lock moves with the store.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import secrets
 import shutil
 import threading
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 try:
     import fcntl
@@ -274,7 +275,7 @@ def atomic_output(
     overwrite: bool = False,
     inputs: Iterable[str | Path | None] = (),
     folder: bool = True,
-    adopt=None,
+    adopt: Callable[[Path], bool] | None = None,
 ) -> Iterator[Path]:
     """Yield a temporary path beside `target` to write into; on success it replaces `target` atomically.
 
@@ -309,7 +310,7 @@ def atomic_output(
             raise
 
 
-def _adopt(target: Path, tmp: Path, adopt) -> Path | None:
+def _adopt(target: Path, tmp: Path, adopt: Callable[[Path], bool]) -> Path | None:
     for path, kind, pid in leftovers(target):
         if kind == "tmp" and path.is_dir() and adopt(path):
             os.replace(path, tmp)
