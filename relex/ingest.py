@@ -327,7 +327,7 @@ def repoint_store(paths: list[str | Path], base: str, out: Path, steps: list[int
         validate_checkpoint(expected, checkpoint, open_checkpoint(checkpoint.folder))
     with store.lock():
         store.repoint({e.step: checkpoints[e.step].folder for e in referenced}, base_dir)
-    LOG.info("%s: %d referenced steps and the base re-pointed", out, len(referenced))
+    LOG.debug("%s: %d referenced steps and the base re-pointed", out, len(referenced))
     return TrajectoryStore.open(out)
 
 

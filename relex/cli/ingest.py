@@ -24,6 +24,8 @@ def add_arguments(parser):
 
 
 def run(args):
+    import os
+
     from relex.cli.common import console
     from relex.ingest import ingest, parse_steps
     from relex.io.hub import expand_revisions
@@ -34,7 +36,8 @@ def run(args):
         revisions=expand_revisions(args.revisions) if args.revisions is not None else None,
     )
     if args.repoint:
-        console.print(f"store {store.path}: re-pointed at {', '.join(map(str, args.checkpoints))} (base {store.base_dir})")
+        base = os.path.normpath(store.base_dir)
+        console.print(f"store {store.path}: {len(store.steps)} steps re-pointed at {', '.join(map(str, args.checkpoints))} (base {base})")
         return
     entries = store.entries
     console.print(
