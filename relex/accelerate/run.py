@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import time
 from pathlib import Path
 
 from relex.accelerate.config import AccelerateConfig
 from relex.accelerate.loop import JumpController, ValidationScorer
 from relex.accelerate.validation import carved_from_train, validation_split
 from relex.train.config import TrainConfig
-from relex.train.grpo import build_trainer, prepare
+from relex.errors import RelexError
+from relex.io.atomic import write_lock
+from relex.train.grpo import build_trainer, closing_progress, finished_step, prepare
+
+LOG = logging.getLogger(__name__)
 
 
 def accelerate_config(config: TrainConfig, **overrides) -> AccelerateConfig:
@@ -23,7 +30,19 @@ def run_accelerate(config: TrainConfig, accelerate: AccelerateConfig | None = No
     """Train with jumps; returns the run folder. `scorer` replaces the validation scorer (tests inject one)."""
     accelerate = accelerate or accelerate_config(config)
     config.accelerate = accelerate.to_dict()  # the run's config.yaml states what the loop used
-    prepared = prepare(config, resume=resume)
+    run_dir = Path(config.out) if config.out else Path("runs") / f"accelerate-{time.strftime('%Y%m%d-%H%M%S')}"
+    config = dataclasses.replace(config, out=str(run_dir))
+    with write_lock(run_dir):  # one writer per run folder
+        prepared = prepare(config, resume=resume)
+        done = finished_step(prepared)
+        if done is not None:
+            LOG.warning("%s: already trained to step %d (grpo.max_steps %d); nothing to do", run_dir, done, prepared.args.max_steps)
+            return run_dir
+        train(prepared, config, accelerate, scorer, show_progress)
+    return prepared.run_dir
+
+
+def train(prepared, config: TrainConfig, accelerate: AccelerateConfig, scorer, show_progress: bool) -> None:
     grpo = prepared.args
     grpo.save_steps = accelerate.segment_steps  # checkpoints at segment ends, after each decision
     if scorer is None:
@@ -42,5 +61,8 @@ def run_accelerate(config: TrainConfig, accelerate: AccelerateConfig | None = No
         rollouts_per_step=grpo.per_device_train_batch_size * grpo.gradient_accumulation_steps * grpo.world_size,
     )
     trainer, _ = build_trainer(prepared, show_progress=show_progress, recorder=controller)
-    trainer.train(resume_from_checkpoint=prepared.resume_from)
-    return prepared.run_dir
+    try:
+        with closing_progress(trainer):
+            trainer.train(resume_from_checkpoint=prepared.resume_from)
+    except OSError as error:  # a full disk while writing candidates or checkpoints: one line, the run stays resumable
+        raise RelexError(f"{prepared.run_dir}: training stopped: {error}; free the space and run relex accelerate --resume") from error

@@ -35,6 +35,7 @@ import logging
 import re
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,7 +94,8 @@ def run_training(config: TrainConfig, *, resume: bool = False, show_progress: bo
         trainer, recorder = build_trainer(prepared, show_progress=show_progress)
         started = time.perf_counter()
         try:
-            trainer.train(resume_from_checkpoint=prepared.resume_from)
+            with closing_progress(trainer):
+                trainer.train(resume_from_checkpoint=prepared.resume_from)
         except OSError as error:  # a full disk while saving a checkpoint: one line, and the run stays resumable
             raise RelexError(f"{prepared.run_dir}: training stopped: {error}; free the space and run relex train --resume") from error
         write_summary(prepared.run_dir, recorder, time.perf_counter() - started)
@@ -334,6 +336,19 @@ def build_trainer(prepared: Prepared, *, show_progress: bool = True, recorder=No
     )
     trainer.remove_callback(PrinterCallback)  # it prints every log dict; log.jsonl and the bar replace it
     return trainer, recorder
+
+
+@contextmanager
+def closing_progress(trainer):
+    """Close the step logger's progress bar however training ends (an error mid-run included)."""
+    from relex.train.progress import StepLogger
+
+    try:
+        yield
+    finally:
+        for callback in trainer.callback_handler.callbacks:
+            if isinstance(callback, StepLogger):
+                callback.close()
 
 
 def write_config(path: Path, config: TrainConfig, model_path: str) -> None:

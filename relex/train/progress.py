@@ -97,7 +97,8 @@ class StepLogger(TrainerCallback):
         if self.show_progress:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", unit="step", dynamic_ncols=True,
+                             disable=None)  # drawn only on a terminal
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs or "reward" not in logs:
@@ -126,6 +127,10 @@ class StepLogger(TrainerCallback):
             self._last += seconds
 
     def on_train_end(self, args, state, control, **kwargs):
+        self.close()
+
+    def close(self) -> None:
+        """Close the progress bar (also when training stopped with an error)."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None
