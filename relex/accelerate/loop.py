@@ -47,10 +47,14 @@ from transformers import TrainerCallback
 from relex.accelerate.config import AccelerateConfig
 from relex.accelerate.decision import Candidate, decide
 from relex.accelerate.optimizer import apply_policy
-from relex.accelerate.validation import LiveGenerator, scoring, snapshot, validation_split
+from relex.accelerate.validation import LiveGenerator, load_into, read_folder, scoring, snapshot
 from relex.accelerate.warning import Signals, check, fit_signals, reward_slope
-from relex.errors import RelexError
-from relex.record import DeltaRecorder, unwrap_model
+from relex.evaluate import evaluate
+from relex.extrapolate import ExtrapolateConfig, extrapolate_store
+from relex.fit import FitConfig, fit_store
+from relex.record import DeltaRecorder, RecordTiming, float_state, save_base, unwrap_model
+from relex.store import TrajectoryStore, is_store
+from relex.train.progress import read_log
 
 LOG = logging.getLogger(__name__)
 
@@ -128,8 +132,6 @@ class ValidationScorer:
     seed: int = 0
 
     def __call__(self, model, tokenizer, states: dict[str, object], restore) -> dict[str, list[float]]:
-        from relex.evaluate import evaluate
-
         generator = LiveGenerator(model, tokenizer, batch_size=self.batch_size, max_new_tokens=self.max_new_tokens)
         with scoring(model, generator, states, restore) as factory:
             result = evaluate(list(states), self.task, n=self.n, seed=self.seed, generator_factory=factory,
@@ -172,8 +174,6 @@ class JumpController(TrainerCallback):
     @property
     def timings(self):
         """The current segment's record timings at GRPO step numbers (what the StepLogger reads)."""
-        from relex.record import RecordTiming
-
         if self.segment is None:
             return []
         return [RecordTiming(t.step + self.segment.start, t.seconds, t.nbytes) for t in self.segment.timings]
@@ -202,8 +202,6 @@ class JumpController(TrainerCallback):
                 self.step_logger.exclude(time.perf_counter() - started)
 
     def on_train_end(self, args, state, control, **kwargs):
-        from relex.record import float_state, save_base
-
         final = self.run_dir / FINAL
         if final.exists():
             shutil.rmtree(final)
@@ -232,8 +230,6 @@ class JumpController(TrainerCallback):
         for folder in sorted((self.run_dir / JUMPS).glob("[0-9][0-9][0-9]")):
             if int(folder.name) >= len(jumps):
                 shutil.rmtree(folder)
-        from relex.store import TrajectoryStore, is_store
-
         kept = 0
         for folder in sorted((self.run_dir / SEGMENTS).glob("[0-9][0-9][0-9]")):
             start = TrajectoryStore.open(folder).manifest["created_by"].get("segment_start_step") if is_store(folder) else None
@@ -297,8 +293,6 @@ class JumpController(TrainerCallback):
         virtual_before = self.virtual_step + length
         self._previous_end = self._segment_displacement()
         if decision.jump:
-            from relex.accelerate.validation import load_into, read_folder
-
             chosen = decision.chosen
             load_into(self._model, read_folder(chosen.path))
             apply_policy(self._optimizer, self.config.optimizer, chosen.target - step)
@@ -326,16 +320,11 @@ class JumpController(TrainerCallback):
             self._start_segment(step, _origin(line))
 
     def _fit(self, jump_dir: Path):
-        from relex.fit import FitConfig, fit_store
-
         fit = fit_store(self.segment.store, FitConfig(rank=self.config.rank))
         fit.save(jump_dir / "fit", overwrite=True)
         return fit
 
     def _write_candidates(self, jump_dir: Path, fit, start: int, length: int) -> list[Candidate]:
-        from relex.extrapolate import ExtrapolateConfig, extrapolate_store
-        from relex.fit import FitConfig
-
         targets = sorted({max(length + 1, int(round(alpha * length))) for alpha in self.config.alphas})
         candidates = []
         for method in self.config.methods:
@@ -377,8 +366,6 @@ class JumpController(TrainerCallback):
             shutil.rmtree(jump_dir / "candidates", ignore_errors=True)
 
     def _write_summary(self, state) -> None:
-        from relex.train.progress import read_log
-
         jumps = read_jumps(self.run_dir)
         lines = read_log(self.run_dir / "log.jsonl")
         wall = time.perf_counter() - self.started
