@@ -69,6 +69,8 @@ EXCHANGE_TIMEOUT = datetime.timedelta(hours=12)
 class RankFailed(RelexError):
     """A rank failed: the message names the rank and its cause, and is the same on every rank."""
 
+    agreed = False  # every rank raised it after the same exchange (so every rank is still there)
+
 
 def launched() -> bool:
     """Whether this process is one of several started by torchrun (WORLD_SIZE > 1)."""
@@ -130,6 +132,11 @@ def process_group() -> Iterator[Ranks]:
     previous = signal.signal(signal.SIGTERM, stop)
     try:
         yield ranks
+    except RankFailed as failure:
+        if failure.agreed:  # wait until every rank has removed what it wrote: torchrun stops the rest at the first exit
+            with contextlib.suppress(RuntimeError):
+                dist.barrier()
+        raise
     finally:
         signal.signal(signal.SIGTERM, previous)
         dist.destroy_process_group()
@@ -144,15 +151,17 @@ def together(ranks: Ranks, what: str) -> Iterator[None]:
     failure: BaseException | None = None
     try:
         yield
+    except RankFailed:  # agreed already, or the ranks are no longer all there: nothing to exchange
+        raise
     except Exception as error:  # exchanged with the others, raised again below (as one line, the same everywhere)
         failure = error
         LOG.debug("rank %d: %s failed", ranks.rank, what, exc_info=True)
     statuses = ranks.all_gather(None if failure is None else describe(failure))
     for rank, status in enumerate(statuses):
         if status is not None:
-            if isinstance(failure, RankFailed) and rank == ranks.rank:
-                raise failure
-            raise RankFailed(f"rank {rank} of {ranks.world}: {what}: {status}") from failure
+            agreed = RankFailed(f"rank {rank} of {ranks.world}: {what}: {status}")
+            agreed.agreed = True
+            raise agreed from failure
 
 
 def describe(error: BaseException) -> str:

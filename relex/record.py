@@ -41,6 +41,7 @@ from relex.errors import RelexError
 from relex.io.checkpoint import CheckpointReader, TensorInfo
 from relex.io.dtypes import dtype_name, parse_dtype
 from relex.io.hf_folder import HFFolderWriter, make_inference_ready
+from relex.record_sharded import ShardedRecording, is_sharded
 from relex.store import TrajectoryStore, is_store
 
 LOG = logging.getLogger(__name__)
@@ -86,10 +87,15 @@ class DeltaRecorder(TrainerCallback):
         self._theta0: dict[str, torch.Tensor] = {}
         self._source_dtype: torch.dtype | None = None
         self._last_step_end: float | None = None
+        self._sharded: ShardedRecording | None = None  # FSDP2: this rank's part of the recording (relex.record_sharded)
 
     # ---- trainer events ----------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
-        if model is not None:  # every rank refuses sharded parameters, so no rank trains on waiting for another
+        if model is not None and is_sharded(unwrap_model(model)):  # FSDP2: every rank gathers, rank 0 writes
+            self._sharded = ShardedRecording(self, unwrap_model(model), state.global_step)
+            self._last_step_end = time.perf_counter()
+            return
+        if model is not None:  # every rank refuses ZeRO-3's parameters, so no rank trains on waiting for another
             float_state(unwrap_model(model))
         if not state.is_world_process_zero:  # under DDP the main process records; the others do nothing
             return
@@ -101,7 +107,7 @@ class DeltaRecorder(TrainerCallback):
         self._last_step_end = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.store is None:
+        if self.store is None and self._sharded is None:
             return
         now = time.perf_counter()
         if self._last_step_end is not None:
@@ -112,6 +118,10 @@ class DeltaRecorder(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         # training stopped early (a callback, or the data ran out): the last step is still recorded
+        if self._sharded is not None:  # every rank decides alike, from the steps they all gathered
+            if state.global_step > 0 and state.global_step not in self._sharded.steps:
+                self._sharded.record(state.global_step)
+            return
         if self.store is not None and state.global_step > 0 and state.global_step not in self.store.steps:
             self.record(state.global_step)
 
@@ -227,6 +237,8 @@ class DeltaRecorder(TrainerCallback):
     # ---- recording -----------------------------------------------------------------------------------------------
     def record(self, step: int):
         """Append θ − θ₀ at `step` now; a step already in the store is refused."""
+        if self._sharded is not None:  # every rank takes part; rank 0 writes
+            return self._sharded.record(step)
         if self.store is None:
             raise RelexError("DeltaRecorder: nothing to record yet (the trainer has not begun training)")
         started = time.perf_counter()

@@ -18,6 +18,9 @@ from relex.synthetic import write_planted_run
 from tests.conftest import STEPS, cli, make_base
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+# torchrun stops the other ranks as soon as one exits (it looks every 0.1 s by default); on a busy machine that can
+# come before a rank has printed its line, so the tests that read every rank's line let it look every 3 s
+PATIENT = [*TORCHRUN[:3], "--monitor-interval", "3", *TORCHRUN[3:]]
 
 # run by torchrun instead of `-m relex`: on rank 1 it replaces one function with a failure, then runs the CLI
 INJECT = '''
@@ -61,7 +64,7 @@ def torchrun(cwd: Path, *args, script: str | None = None, failure: str | None = 
     if failure is not None:
         env["RELEX_TEST_FAILURE"] = failure
     entry = [script] if script else ["-m", "relex"]
-    command = [*TORCHRUN, *entry, *map(str, args)]
+    command = [*(PATIENT if failure else TORCHRUN), *entry, *map(str, args)]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
 
 

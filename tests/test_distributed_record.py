@@ -1,8 +1,8 @@
 """DeltaRecorder under 2-process torch.distributed on CPU (gloo), started with torchrun.
 
-DDP: the main process records and the other does nothing; with the same rows on both ranks DDP's mean gradient is
-exact, so the store must be byte for byte the one a single process records. FSDP2 (`fully_shard`): parameters are
-sharded DTensors, which the recorder refuses on every rank at train begin, in one line and without a hang.
+DDP: the main process records and the other does nothing. FSDP2 (`fully_shard`): every rank gathers each tensor's
+delta in turn and rank 0 writes it. With the same rows on both ranks the mean gradient is exact, so in both cases
+the store must be byte for byte the one a single process records from the same updates.
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ import sys
 from pathlib import Path
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+# torchrun stops the other ranks as soon as one exits (it looks every 0.1 s by default); on a busy machine that can
+# come before a rank has printed its line, so the tests that read every rank's line let it look every 3 s
+PATIENT = [*TORCHRUN[:3], "--monitor-interval", "3", *TORCHRUN[3:]]
 
 TRAIN = '''
 import os, sys
@@ -26,22 +29,50 @@ config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hi
                      num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=True)
 torch.manual_seed(0)
 model = LlamaForCausalLM(config)
-if sys.argv[2] == "fsdp":
+if sys.argv[2] in ("fsdp", "fsdp-unsaved", "fsdp-full-disk"):  # a manual training loop; FSDP2 under torchrun, plain in one process
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
-    from transformers import TrainerState
+    from transformers import TrainerControl, TrainerState
     from relex.errors import RelexError
 
-    dist.init_process_group("gloo")
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    state = TrainerState(is_world_process_zero=dist.get_rank() == 0)
+    sharded = "WORLD_SIZE" in os.environ
+    if sharded:
+        dist.init_process_group("gloo")
+    first = not sharded or dist.get_rank() == 0
+    if sys.argv[2] != "fsdp-unsaved":  # loaded from a folder, which becomes the store's base
+        if first:
+            model.save_pretrained(f"{out}/model")
+        if sharded:
+            dist.barrier()
+        model = LlamaForCausalLM.from_pretrained(f"{out}/model")
+    if sharded:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    recorder = DeltaRecorder(f"{out}/trajectory", every=2)
+    state, control = TrainerState(is_world_process_zero=first, max_steps=5), TrainerControl()
+    if sys.argv[2] == "fsdp-full-disk" and first:  # rank 0's disk fills up while it writes a step
+        import relex.io.stream_writer
+
+        def write(self, name, values):
+            raise OSError(28, "No space left on device")
+
+        relex.io.stream_writer.StreamingSafetensorsWriter.write = write
     try:
-        DeltaRecorder(f"{out}/trajectory").on_train_begin(None, state, None, model=model)
+        recorder.on_train_begin(None, state, control, model=model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        row = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
+        for step in range(1, 6):
+            model(input_ids=row, labels=row).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            state.global_step = step
+            recorder.on_step_end(None, state, control)
+        recorder.on_train_end(None, state, control)
     except RelexError as error:
-        print(f"rank {dist.get_rank()}: {error}", file=sys.stderr)
+        print(f"rank {dist.get_rank() if sharded else 0}: {error}", file=sys.stderr)
         sys.exit(2)
+    print(f"recorded {sorted(recorder.store.steps) if recorder.store else None}")
     sys.exit(0)
 row = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(0))
 data = [{"input_ids": row, "labels": row}] * 8  # every rank sees the same rows
@@ -82,11 +113,41 @@ def test_ddp_recording_equals_one_process(tmp_path):
     assert manifests[0] == manifests[1]
 
 
-def test_fsdp2_parameters_are_refused_on_every_rank(tmp_path):
+def test_fsdp2_recording_gathers_each_tensor_and_equals_one_process(tmp_path):
     (tmp_path / "train.py").write_text(TRAIN)
-    done = run([*TORCHRUN, "train.py", "fsdp-run", "fsdp"], tmp_path)
+    one = run([sys.executable, "train.py", "one", "fsdp"], tmp_path)
+    assert one.returncode == 0 and "recorded [2, 4, 5]" in one.stdout, one.stderr[-3000:]
+    two = run([*TORCHRUN, "train.py", "two", "fsdp"], tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert sorted(two.stdout.splitlines()) == ["recorded None", "recorded [2, 4, 5]"]  # rank 0 wrote, rank 1 gathered
+    single, sharded = (tmp_path / name / "trajectory" for name in ("one", "two"))
+    assert sorted(store_files(sharded)) == [f"deltas/step-0000000{s}.safetensors" for s in (2, 4, 5)]
+    assert store_files(sharded) == store_files(single)  # the base is the folder the model was loaded from
+    manifests = [json.loads((store / "manifest.json").read_text()) for store in (single, sharded)]
+    assert manifests[1]["created_by"].pop("sharded_ranks") == 2
+    for manifest, name in zip(manifests, ("one", "two")):
+        del manifest["created_by"]["time"]
+        assert manifest["created_by"].pop("model") == f"{name}/model"  # the folder it was loaded from
+    assert manifests[0] == manifests[1]
+
+
+def test_fsdp2_without_a_base_folder_is_refused_on_every_rank(tmp_path):
+    (tmp_path / "train.py").write_text(TRAIN)
+    done = run([*PATIENT, "train.py", "unsaved", "fsdp-unsaved"], tmp_path)
     assert done.returncode != 0
     refusals = sorted(line for line in done.stderr.splitlines() if line.startswith("rank "))
     assert [line.split(":")[0] for line in refusals] == ["rank 0", "rank 1"]
-    assert all("is sharded (FSDP or DeepSpeed ZeRO-3); DeltaRecorder needs whole parameters" in line for line in refusals)
-    assert not (tmp_path / "fsdp-run" / "trajectory").exists()
+    assert all("the model is sharded (FSDP2) and was not loaded from a local folder; pass DeltaRecorder(base=FOLDER)"
+               in line for line in refusals)
+    assert not (tmp_path / "unsaved" / "trajectory").exists()
+
+
+def test_a_full_disk_on_the_writer_stops_every_rank_at_that_step(tmp_path):
+    (tmp_path / "train.py").write_text(TRAIN)
+    done = run([*PATIENT, "train.py", "full", "fsdp-full-disk"], tmp_path)
+    assert done.returncode != 0
+    refusals = sorted(line for line in done.stderr.splitlines() if line.startswith("rank "))
+    store = tmp_path / "full" / "trajectory"
+    cause = "rank 0 of 2: recording step 2: full/trajectory: step 2 not recorded: No space left on device"
+    assert refusals == [f"rank 0: {cause}", f"rank 1: {cause}"]
+    assert [p.name for p in (store / "deltas").iterdir()] == []
