@@ -30,7 +30,13 @@ from relex.errors import RelexError
 from relex.io.atomic import atomic_output, check_output, write_lock
 from relex.io.checkpoint import CheckpointReader, TensorInfo, read_config, weight_files
 from relex.io.dtypes import dtype_name, parse_dtype
-from relex.io.hub import hub_revisions, is_hub_path, parse_hub_path, revision_step, snapshot
+from relex.io.hub import (
+    hub_revisions,
+    is_hub_path,
+    parse_hub_path,
+    revision_step,
+    snapshot,
+)
 from relex.io.verl_shards import open_checkpoint, shard_files
 from relex.store import MANIFEST_NAME, MAX_STEP, TrajectoryStore, is_store
 
@@ -58,7 +64,9 @@ def resolve_base(base: str) -> Path:
         read_config(path)  # a broken config.json fails here, not after the whole computation
         return path.resolve()
     if re.fullmatch(r"[\w.-]+/[\w.-]+", base):
-        from huggingface_hub import snapshot_download  # a hub id: users with the network
+        from huggingface_hub import (
+            snapshot_download,  # a hub id: users with the network
+        )
 
         return Path(snapshot_download(base, allow_patterns=["*.safetensors", "*.json", "*.txt", "*.model", "*.jinja"]))
     raise RelexError(f"base {base!r}: no such folder (and not a hub id like org/name)")

@@ -13,7 +13,7 @@ supported yet, each refused on every rank in one line: a sharded model without s
 recording, meshes of more than one dimension.
 
 A failure on rank 0 while writing (a full disk, a NaN) still completes the walk, so that no rank waits in a gather
-for ever; then the ranks exchange statuses and all raise the same error (relex.distributed.together).
+for ever; then the ranks exchange statuses and all raise the same error (relex.ranks.together).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from relex.distributed import Ranks, together
 from relex.errors import RelexError
 from relex.io.checkpoint import CheckpointReader
+from relex.ranks import Ranks, together
 from relex.store import TrajectoryStore, is_store
 
 LOG = logging.getLogger(__name__)

@@ -614,7 +614,7 @@ class TrajectoryReader:
                     free.put(held)
                     held = None
                 with finished:
-                    finished.wait_for(lambda: k in done)
+                    finished.wait_for(lambda k=k: k in done)
                     held, matrix, gram = done.pop(k)
                 if held is None:
                     raise matrix

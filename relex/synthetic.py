@@ -93,7 +93,8 @@ def _tied_pairs(base: CheckpointReader) -> dict[str, str]:
     if not config.get("tie_word_embeddings") or "lm_head.weight" not in names:
         return {}
     head = base.read("lm_head.weight")
-    return {"lm_head.weight": n for n in names if n != "lm_head.weight" and base.info(n) == base.info("lm_head.weight") and torch.equal(base.read(n), head)}
+    same = [n for n in names if n != "lm_head.weight" and base.info(n) == base.info("lm_head.weight") and torch.equal(base.read(n), head)]
+    return {"lm_head.weight": same[-1]} if same else {}
 
 
 def _write_checkpoint(folder: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:

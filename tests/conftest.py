@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from relex.cli import main as relex_main
+from relex.store import TrajectoryStore
 from relex.synthetic import write_planted_run
 
 STEPS = [2, 4, 6, 9, 13, 20, 30]  # uneven on purpose
@@ -45,6 +46,14 @@ def planted(tmp_path, tiny_base):
     run = tmp_path / "run"
     truth = write_planted_run(tiny_base, run, STEPS, layout="hf-trainer", noise=0.02)
     return tiny_base, run, truth
+
+
+@pytest.fixture
+def store(planted, tmp_path):
+    """The planted run ingested into a store (referenced in place)."""
+    base, run, truth = planted
+    assert cli("ingest", run, "--base", base, "--out", tmp_path / "store") == 0
+    return TrajectoryStore.open(tmp_path / "store")
 
 
 def cli(*args: str) -> int:

@@ -22,7 +22,7 @@ from relex.fit import FitConfig
 from relex.store import TrajectoryStore
 from relex.train import load_config
 from tests.conftest import cli
-from tests.test_fit_extrapolate import OBSERVED, relex64, store, trajectory64  # noqa: F401 - store is a fixture
+from tests.test_fit_extrapolate import OBSERVED, relex64, trajectory64
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 

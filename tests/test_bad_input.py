@@ -9,7 +9,7 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import STEPS, cli
+from tests.conftest import cli
 
 
 def run_fails(capsys, *args, out=None):

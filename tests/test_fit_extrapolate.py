@@ -12,8 +12,6 @@ from safetensors.torch import load_file
 from relex.extrapolate import ExtrapolateConfig, extrapolate_store
 from relex.fit import FitConfig, FitResult, fit_store
 from relex.fit.gram import tensor_gram
-from relex.io.checkpoint import CheckpointReader
-from relex.store import TrajectoryStore
 from tests.conftest import STEPS, cli
 
 OBSERVED = [s for s in STEPS if s <= 13]
@@ -32,13 +30,6 @@ def relex64(m: torch.Tensor, steps, target, rank=1):
     coefficients = (u * s)[:, :rank].numpy()
     predicted = [np.polyval(np.polyfit(np.asarray(steps, float), coefficients[:, j], 1), target) for j in range(rank)]
     return sum(float(predicted[j]) * vh[j] for j in range(rank))
-
-
-@pytest.fixture
-def store(planted, tmp_path):
-    base, run, truth = planted
-    assert cli("ingest", run, "--base", base, "--out", tmp_path / "store") == 0
-    return TrajectoryStore.open(tmp_path / "store")
 
 
 def test_fit_recovers_planted_direction_and_line(planted, store):

@@ -6,11 +6,11 @@ layer or lower ones, so the store never reaches up into the fit, nor the fit int
     accelerate                   train → jump → train
     sweep, train, backtest, plot, distributed     pipeline commands
     evaluate                     generation and scoring of checkpoints
-    ingest, record, extrapolate  what writes stores and checkpoints
+    ingest, record, record_sharded, extrapolate  what writes stores and checkpoints
     fit                          Gram matrices and the rank-r fit
     store, verifiers, tasks      the trajectory store; rewards and problems
     io, models, synthetic        files, the embedded model, planted runs
-    errors, registry             shared by everything
+    errors, registry, ranks      shared by everything (ranks: the processes torchrun starts)
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ LAYERS = [
     {"accelerate"},
     {"sweep", "train", "backtest", "plot", "distributed"},
     {"evaluate"},
-    {"ingest", "record", "extrapolate"},
+    {"ingest", "record", "record_sharded", "extrapolate"},
     {"fit"},
     {"store", "verifiers", "tasks"},
     {"io", "models", "synthetic"},
-    {"errors", "registry", "version"},
+    {"errors", "registry", "version", "ranks"},
 ]
 PACKAGE = Path(__file__).resolve().parent.parent / "relex"
 

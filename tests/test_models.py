@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from relex.errors import RelexError
 from relex import models
+from relex.errors import RelexError
 from relex.models import (
     EMBEDDED_MODEL,
     PROVENANCE_FILE,

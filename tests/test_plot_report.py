@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from relex.errors import RelexError
-from tests.conftest import cli, make_base
 from relex.synthetic import write_planted_run
+from tests.conftest import cli, make_base
 
 STEPS = [2, 4, 6, 9, 13, 20, 30, 40]
 OBSERVE_UNTIL = 13

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch

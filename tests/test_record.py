@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 from relex import DeltaRecorder
 from relex.errors import RelexError

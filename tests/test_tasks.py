@@ -9,7 +9,14 @@ import datasets
 import pytest
 
 from relex.errors import RelexError
-from relex.tasks import DEFAULT_INSTRUCTION, TASK_SOURCES, TaskSpec, decode_entry, encode_entry, load_task
+from relex.tasks import (
+    DEFAULT_INSTRUCTION,
+    TASK_SOURCES,
+    TaskSpec,
+    decode_entry,
+    encode_entry,
+    load_task,
+)
 
 CHAIN_SUM = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
 

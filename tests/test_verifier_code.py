@@ -12,8 +12,7 @@ import socket
 import pytest
 
 from relex.errors import RelexError
-from relex.verifiers import get_verifier
-from relex.verifiers import sandbox
+from relex.verifiers import get_verifier, sandbox
 from relex.verifiers.code_checks import plan_tests
 
 ADD_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0"

@@ -47,12 +47,24 @@ from transformers import TrainerCallback
 from relex.accelerate.config import AccelerateConfig
 from relex.accelerate.decision import Candidate, decide
 from relex.accelerate.optimizer import apply_policy
-from relex.accelerate.validation import LiveGenerator, load_into, read_folder, scoring, snapshot
+from relex.accelerate.validation import (
+    LiveGenerator,
+    load_into,
+    read_folder,
+    scoring,
+    snapshot,
+)
 from relex.accelerate.warning import Signals, check, fit_signals, reward_slope
 from relex.evaluate import evaluate
 from relex.extrapolate import ExtrapolateConfig, extrapolate_store
 from relex.fit import FitConfig, fit_store
-from relex.record import DeltaRecorder, RecordTiming, float_state, save_base, unwrap_model
+from relex.record import (
+    DeltaRecorder,
+    RecordTiming,
+    float_state,
+    save_base,
+    unwrap_model,
+)
 from relex.store import TrajectoryStore, is_store
 from relex.train.progress import read_log
 

@@ -10,9 +10,9 @@ from pathlib import Path
 from relex.accelerate.config import AccelerateConfig
 from relex.accelerate.loop import JumpController, ValidationScorer
 from relex.accelerate.validation import carved_from_train, validation_split
-from relex.train.config import TrainConfig
 from relex.errors import RelexError
 from relex.io.atomic import write_lock
+from relex.train.config import TrainConfig
 from relex.train.grpo import build_trainer, closing_progress, finished_step, prepare
 
 LOG = logging.getLogger(__name__)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+
 def add_arguments(parser) -> None:
     from relex.evaluate.generate import BACKENDS
 

@@ -28,10 +28,11 @@ def add_arguments(parser):
 
 def run(args):
     from relex.cli.common import console, fit_config_from, table
-    from relex.distributed import extrapolate_across_ranks, launched
+    from relex.distributed import extrapolate_across_ranks
     from relex.errors import RelexError
     from relex.extrapolate import ExtrapolateConfig, extrapolate_store, parse_targets
     from relex.fit import FitResult
+    from relex.ranks import launched
     from relex.store import TrajectoryStore
 
     store = TrajectoryStore.open(args.store)

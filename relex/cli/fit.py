@@ -19,9 +19,10 @@ def add_arguments(parser):
 
 def run(args):
     from relex.cli.common import console, fit_config_from
-    from relex.distributed import fit_across_ranks, launched
+    from relex.distributed import fit_across_ranks
     from relex.fit import fit_store, refit
     from relex.io.atomic import check_output, write_lock
+    from relex.ranks import launched
     from relex.store import TrajectoryStore
 
     store = TrajectoryStore.open(args.store)

@@ -9,7 +9,12 @@ Modules: `generate` (completions from a checkpoint), `checkpoints` (what counts 
 `config` (the `relex eval` configuration).
 """
 
-from relex.evaluate.evaluation import CheckpointResult, EvalResult, EvalSettings, evaluate
+from relex.evaluate.evaluation import (
+    CheckpointResult,
+    EvalResult,
+    EvalSettings,
+    evaluate,
+)
 from relex.evaluate.report import format_table
 
 __all__ = ["CheckpointResult", "EvalResult", "EvalSettings", "evaluate", "format_table"]

@@ -179,7 +179,11 @@ def loaded_task(task) -> tuple[object, dict]:
 def checkpoint_generators(checkpoints: Sequence[str], settings: EvalSettings) -> GeneratorFactory:
     """Checks every checkpoint now (before hours of generation), then opens them one at a time."""
     from relex.evaluate.checkpoints import parse_checkpoint
-    from relex.evaluate.logits import check_logits_spec, is_logits_spec, parse_logits_spec
+    from relex.evaluate.logits import (
+        check_logits_spec,
+        is_logits_spec,
+        parse_logits_spec,
+    )
 
     refs = {}
     for text in checkpoints:

@@ -24,8 +24,23 @@ from tqdm.auto import tqdm
 
 from relex import __version__
 from relex.errors import RelexError
-from relex.extrapolate.methods import Method, Plan, check_scale, get_method, kept_weights, scaled_weights
-from relex.fit.fit import FitConfig, FitResult, fit_from_grams, module_type, observed_steps, validate, window_indices
+from relex.extrapolate.methods import (
+    Method,
+    Plan,
+    check_scale,
+    get_method,
+    kept_weights,
+    scaled_weights,
+)
+from relex.fit.fit import (
+    FitConfig,
+    FitResult,
+    fit_from_grams,
+    module_type,
+    observed_steps,
+    validate,
+    window_indices,
+)
 from relex.fit.gram import GRAM, resolve_device
 from relex.fit.trajectory_fit import TensorFit, fit_tensor
 from relex.io.atomic import atomic_output, check_output, write_lock

@@ -17,7 +17,11 @@ own `score_answer`), `numeric` (a number within tolerance), `json_schema` (JSON 
 from relex.registry import Registry
 from relex.verifiers.answers import completion_text, extract_final_answer
 from relex.verifiers.code_exec import code_reward
-from relex.verifiers.failures import VERIFIER_FAILURES, reset_verifier_failures, verifier_failures
+from relex.verifiers.failures import (
+    VERIFIER_FAILURES,
+    reset_verifier_failures,
+    verifier_failures,
+)
 from relex.verifiers.format import format_reward
 from relex.verifiers.math_answer import math_reward
 from relex.verifiers.numeric import numeric_reward

@@ -33,7 +33,12 @@ from pathlib import Path
 from relex.verifiers.answers import completion_text, last_fenced_block
 from relex.verifiers.code_checks import CheckPlan, plan_tests
 from relex.verifiers.columns import optional_column, required_column
-from relex.verifiers.sandbox import DEFAULT_TIMEOUT, SandboxLimits, require_sandbox, run_sandboxed
+from relex.verifiers.sandbox import (
+    DEFAULT_TIMEOUT,
+    SandboxLimits,
+    require_sandbox,
+    run_sandboxed,
+)
 
 LOG = logging.getLogger(__name__)
 

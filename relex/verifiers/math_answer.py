@@ -31,7 +31,13 @@ import logging
 import re
 
 from relex.errors import RelexError
-from relex.verifiers.answers import REGION_CHARS, ascii_digits, committed_region, completion_text, find_closing_brace
+from relex.verifiers.answers import (
+    REGION_CHARS,
+    ascii_digits,
+    committed_region,
+    completion_text,
+    find_closing_brace,
+)
 from relex.verifiers.columns import optional_column, required_column
 from relex.verifiers.failures import guarded_call
 
