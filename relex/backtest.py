@@ -97,7 +97,7 @@ def backtest_store(
     result = BacktestResult(prefix, later, list(methods), {m: {s: {} for s in later} for m in methods})
     names = store.trajectory_names
     stream = ((name, grams[name]) for name in names) if grams is not None else tensor_grams(reader, names, device, config.chunk_elements)
-    for name, gram in tqdm(stream, desc="backtest: Gram matrices", unit="tensor", total=len(names), leave=False):
+    for name, gram in tqdm(stream, desc="backtest: Gram matrices", unit="tensor", total=len(names), leave=False, disable=None):
         g_pp, group = gram[:p, :p], module_type(name)
         fit = fit_tensor(name, plan.steps, g_pp, config.rank, plan.model, plan.window) if any(m.needs_fit for m in method_objs.values()) else None
         for method_name, method in method_objs.items():

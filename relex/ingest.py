@@ -255,7 +255,7 @@ def ingest(
             reader = open_checkpoint(checkpoint.folder)
             readers.append((checkpoint, reader, validate_checkpoint(base_infos, checkpoint, reader)))
         tied = declared_ties(base_dir, base_infos)
-        for checkpoint, reader, _ in tqdm(readers, desc="ingest: checking values", unit="step", leave=False):
+        for checkpoint, reader, _ in tqdm(readers, desc="ingest: checking values", unit="step", leave=False, disable=None):
             scan_step(base_reader, reader, checkpoint, sorted(base_infos), tied)
         created_by = {
             "command": "relex ingest",
@@ -285,7 +285,7 @@ def _store_lock_if_store(out: Path):
 
 def _record(store: TrajectoryStore, base_reader: CheckpointReader, readers: list, copy: bool, stored_dtype) -> None:
     todo = [(c, r, i) for c, r, i in readers if c.step not in store.steps]
-    for checkpoint, reader, infos in tqdm(todo, desc="ingest: recording", unit="step", leave=False):
+    for checkpoint, reader, infos in tqdm(todo, desc="ingest: recording", unit="step", leave=False, disable=None):
         source_dtype = _dominant_dtype(infos)
         if copy:
             entry = store.append_deltas(checkpoint.step, _delta_reader(base_reader, reader), stored_dtype, source_dtype)

@@ -283,7 +283,7 @@ def _write_targets(state: _Pass, out_dir: Path, max_shard: int) -> FitResult | N
     aliases = Counter(state.tied.values())  # a tensor may have several aliases: its values wait for the last one
     try:
         tied_outputs: dict[str, list[torch.Tensor]] = {}
-        for name, info in tqdm(state.layout, desc=f"extrapolate ({config.method})", unit="tensor", leave=False):
+        for name, info in tqdm(state.layout, desc=f"extrapolate ({config.method})", unit="tensor", leave=False, disable=None):
             alias_of = state.tied.get(name)
             if alias_of is not None and alias_of in tied_outputs:
                 for writer, values in zip(writers, tied_outputs[alias_of]):

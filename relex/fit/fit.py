@@ -222,7 +222,7 @@ def fit_store(store: TrajectoryStore, config: FitConfig) -> FitResult:
     infos = store.tensors
     names = store.trajectory_names
     stream = tensor_grams(reader, names, device, config.chunk_elements)
-    grams = dict(tqdm(stream, desc="fit: Gram matrices", unit="tensor", total=len(names), leave=False))
+    grams = dict(tqdm(stream, desc="fit: Gram matrices", unit="tensor", total=len(names), leave=False, disable=None))
     LOG.info("fitted %d tensors over %d steps on %s, reading %s", len(grams), len(steps), device, "direct" if reader.direct else "through the page cache")
     numel = {name: infos[name].numel for name in grams}
     return fit_from_grams(config, steps, grams, numel, str(store.path))
