@@ -119,7 +119,7 @@ def test_fsdp2_recording_gathers_each_tensor_and_equals_one_process(tmp_path):
     assert one.returncode == 0 and "recorded [2, 4, 5]" in one.stdout, one.stderr[-3000:]
     two = run([*TORCHRUN, "train.py", "two", "fsdp"], tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
-    assert sorted(two.stdout.splitlines()) == ["recorded None", "recorded [2, 4, 5]"]  # rank 0 wrote, rank 1 gathered
+    assert two.stdout.count("recorded [2, 4, 5]") == 1 and "recorded None" in two.stdout  # rank 0 wrote, rank 1 gathered
     single, sharded = (tmp_path / name / "trajectory" for name in ("one", "two"))
     assert sorted(store_files(sharded)) == [f"deltas/step-0000000{s}.safetensors" for s in (2, 4, 5)]
     assert store_files(sharded) == store_files(single)  # the base is the folder the model was loaded from
