@@ -27,7 +27,7 @@ def add_arguments(parser):
 
 
 def run(args):
-    from relex.cli.common import console, fit_config_from, table
+    from relex.cli.common import console, fit_config_from, recipe_flags_given, table
     from relex.distributed import extrapolate_across_ranks
     from relex.errors import RelexError
     from relex.extrapolate import ExtrapolateConfig, extrapolate_store, parse_targets
@@ -51,7 +51,15 @@ def run(args):
     )
     if args.keep is not None and not config.keep:
         raise RelexError(f"--keep {args.keep!r} names no module type; give patterns like '*norm.weight'")
-    fit = FitResult.load(args.fit) if args.fit else None
+    fit = None
+    if args.fit:
+        given = recipe_flags_given(args)
+        if given:
+            raise RelexError(
+                f"{' '.join(given)} with --fit: the fit {args.fit} fixes its rank, temporal model and window; to change "
+                f"them refit from its Gram matrices (relex fit {args.store} --gram-from {args.fit} {' '.join(given)} --out NEW_FIT)"
+            )
+        fit = FitResult.load(args.fit)
     if launched():  # under torchrun: each rank writes its share of the shards, rank 0 reports (relex.distributed)
         reports = extrapolate_across_ranks(store, args.out, config, fit)
         if reports is None:

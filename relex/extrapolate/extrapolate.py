@@ -9,6 +9,7 @@ the pass is planned up front and runs ahead in the reader's background thread (`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -114,7 +115,9 @@ class _Pass:
         self.store, self.out_dir, self.config, self.fit = store, out_dir, config, fit
         self.method: Method = get_method(config.method)
         steps = fit.steps.tolist() if fit is not None else observed_steps(store, config.fit.observe_until)
-        fit_config = fit.config if fit is not None else config.fit
+        # a saved fit brings its recipe (rank, temporal model, window); how this pass runs comes from this command
+        fit_config = (dataclasses.replace(fit.config, device=config.fit.device, io=config.fit.io, chunk_elements=config.fit.chunk_elements)
+                      if fit is not None else config.fit)
         if self.method.needs_fit and fit is None:
             validate(fit_config, steps)
         window = fit.tensors[next(iter(fit.tensors))].window if fit is not None and fit.tensors else window_indices(len(steps), fit_config.window)

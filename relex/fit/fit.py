@@ -35,6 +35,9 @@ LOG = logging.getLogger(__name__)
 DEFAULT_CHUNK_ELEMENTS = 2**22  # values per (T × rows) block read at once: 16 MiB of float32, about the CPU's L3
 
 
+RECIPE = ("rank", "temporal", "degree", "window", "observe_until")  # what a saved fit is; the rest is how it ran
+
+
 @dataclass
 class FitConfig:
     rank: int = 1
@@ -139,7 +142,7 @@ class FitResult:
         payload = {
             "relex_version": __version__,
             "store": self.store_path,
-            "config": asdict(self.config),
+            "config": {key: asdict(self.config)[key] for key in RECIPE},  # how it ran is not saved
             "steps": self.steps.tolist(),
             "tensors": {
                 name: {
@@ -171,7 +174,8 @@ class FitResult:
             u = np.asarray(t["u"], dtype=np.float64).reshape(len(steps), -1)
             tensors[name] = TensorFit(name, steps, np.asarray(t["window"]), np.asarray(t["eigenvalues"]), u, t["temporal"], t["r2"])
         numel = {name: t["numel"] for name, t in payload["tensors"].items()}
-        result = cls(FitConfig(**payload["config"]), steps, tensors, grams, numel, payload.get("store", ""))
+        recipe = {key: value for key, value in payload["config"].items() if key in RECIPE}  # older fits saved device, io
+        result = cls(FitConfig(**recipe), steps, tensors, grams, numel, payload.get("store", ""))
         result.folder = path  # where it was read from: an input that an --overwrite must not replace
         return result
 
