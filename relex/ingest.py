@@ -2,8 +2,10 @@
 
 Layouts recognised (step numbers come from the layout or from the user, never from a model name):
 - Hugging Face Trainer: `RUN/checkpoint-N/` (optimizer, scheduler and RNG files are ignored);
-- verl: `RUN/global_step_N/actor/huggingface/` or `RUN/global_step_N/huggingface/`;
-- plain HF folders, with the step numbers given by `--steps`.
+- verl: `RUN/global_step_N/actor/huggingface/` or `RUN/global_step_N/huggingface/`, or the unmerged FSDP shards
+  `RUN/global_step_N/actor/model_world_size_W_rank_R.pt` read as they are (relex.io.verl_shards);
+- plain HF folders, with the step numbers given by `--steps`;
+- revisions of a hub repository, `hf://ORG/REPO` with `--revisions`, read in the hub cache (relex.io.hub).
 
 By default the store references the checkpoints in place, after validating every tensor's name, shape and
 dtype against the base and scanning the values for NaN/Inf; `--copy` writes the deltas into the store instead.
