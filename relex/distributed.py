@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -110,10 +111,13 @@ def share_grams(store: TrajectoryStore, config: FitConfig, steps: list[int], nam
     """The Gram matrices of `names`, read as `fit_store` reads them (same blocks, so the same values)."""
     if not names:
         return {}
+    started = time.perf_counter()
     reader = store.reader(steps, direct=store.reads_direct(config.io))
     stream = tensor_grams(reader, names, resolve_device(config.device), config.chunk_elements)
     grams = dict(stream)
-    LOG.info("formed %d of the Gram matrices on this rank", len(grams))
+    values = len(steps) * sum(store.tensors[name].numel for name in names)
+    LOG.info("this rank: the Gram matrices of %d tensors (%.2f G values read) in %.2f s",
+             len(grams), values / 1e9, time.perf_counter() - started)
     return grams
 
 
@@ -189,7 +193,10 @@ def extrapolate_across_ranks(
         tallies = [_Tally() for _ in state.reports]
         reports, state.reports = state.reports, tallies
         with together(ranks, "computing and writing shards"):
+            started = time.perf_counter()
             write_share(state, tmp, shards, share, mine)
+            LOG.info("this rank: %d of %d shard files per target (%.2f GB each target) in %.2f s", len(share), len(shards),
+                     sum(tensor_bytes(info) for i in share for _, info in shards[i]) / 1e9, time.perf_counter() - started)
         gathered = ranks.all_gather((state.grams, [t.terms for t in tallies]))
         state.reports = reports
         with together(ranks, f"writing {out_dir}"):
