@@ -11,7 +11,7 @@ Stages (the runs above first; each stage uses whatever steps the runs have recor
   2. one-shot   from the plain run's first 8 steps, within the measured horizon (12 = 1.5×, 16 = 2×): relex,
                 relex-anchored, relex with λ = 0.5, relex keeping the norm layers, two-point, θ₀ + α·Δ₁ (two-point
                 anchored at step 1), and logits extrapolation of steps 4 → 8                   -> runs/accel/oneshot/
-  3. evaluate   every checkpoint on the same held-out problems (greedy), paired            -> runs/accel/eval/
+  3. evaluate   every checkpoint on the same held-out problems (greedy), paired  -> runs/accel/eval-cache.json
   4. tables     accuracy against GRPO steps and rollouts, steps and wall time to reach the plain run's final
                 accuracy, paired intervals at equal budgets            -> results/accelerate.json, figures/accelerate.png
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,8 @@ RUNS = ROOT / "runs" / "accel"
 RESULTS = ROOT / "analysis" / "results"
 FIGURES = ROOT / "analysis" / "figures"
 OBSERVE_UNTIL = 8
-ONE_SHOT_TARGETS = [12, 16]
+ONE_SHOT_TARGETS = [12, 16]  # 1.5× and 2× the observed 8 steps: the horizon the first study measured
+SCORED_AT_2X = ("relex", "two-point")  # every baseline is scored at 1.5×, these two at 2× as well
 
 
 # ---- 1. noise -------------------------------------------------------------------------------------------------------
@@ -95,12 +97,10 @@ def one_shot(store_dir: Path, out: Path) -> dict[str, str]:
         if not all((folder / f"step-{t}" / "config.json").is_file() for t in ONE_SHOT_TARGETS):
             config = ExtrapolateConfig(targets=ONE_SHOT_TARGETS, fit=fit_config, overwrite=True, **options)
             extrapolate_store(store, folder, config, fit if options["method"].startswith("relex") else None)
-        for target in ONE_SHOT_TARGETS:
+        for target in ONE_SHOT_TARGETS if label in SCORED_AT_2X else ONE_SHOT_TARGETS[:1]:
             checkpoints[f"{label} → {target}"] = str(folder / f"step-{target}")
-    a, b = OBSERVE_UNTIL // 2, OBSERVE_UNTIL
-    for target in ONE_SHOT_TARGETS:
-        alpha = (target - a) / (b - a)
-        checkpoints[f"logits {a}→{b} → {target}"] = f"logits({store_dir}@{a},{store_dir}@{b},{alpha:g})"
+    a, b, target = OBSERVE_UNTIL // 2, OBSERVE_UNTIL, ONE_SHOT_TARGETS[0]
+    checkpoints[f"logits {a}→{b} → {target}"] = f"logits({store_dir}@{a},{store_dir}@{b},{(target - a) / (b - a):g})"
     return checkpoints
 
 
@@ -144,21 +144,68 @@ def wall_seconds(run: Path) -> dict[int, float]:
     return out
 
 
-# ---- 4. tables ------------------------------------------------------------------------------------------------------------
-def paired(a, b) -> dict:
+# ---- 4. evaluation, cached per checkpoint so that later runs only score what is new ----------------------------------
+CACHE = RUNS / "eval-cache.json"
+
+
+@dataclass
+class Scored:
+    checkpoint: str
+    correct: list
+
+    @property
+    def accuracy(self) -> float:
+        return float(np.mean(self.correct))
+
+    def interval(self) -> tuple[float, float]:
+        from relex.evaluate.metrics import bootstrap_ci
+
+        return bootstrap_ci(self.correct)
+
+
+def score_all(labels: dict[str, str], task, n: int, batch_size: int) -> dict[str, Scored]:
+    """Greedy correctness of every checkpoint on the same first `n` held-out problems (cached in runs/accel/)."""
+    from relex.evaluate import evaluate
+
+    cache = json.loads(CACHE.read_text()) if CACHE.is_file() else {}
+    for label, checkpoint in labels.items():
+        key = f"{checkpoint}|n={n}"
+        if key not in cache:
+            result = evaluate([checkpoint], task, n=n, max_new_tokens=24, batch_size=batch_size)
+            cache[key] = result.checkpoints[0].greedy_correct()
+            CACHE.write_text(json.dumps(cache))
+            print(f"{label}: {np.mean(cache[key]):.3f}", flush=True)
+    return {label: Scored(checkpoint, cache[f"{checkpoint}|n={n}"]) for label, checkpoint in labels.items()}
+
+
+def paired(a: Scored, b: Scored) -> dict:
     from relex.evaluate.metrics import paired_bootstrap_diff
 
-    diff, low, high = paired_bootstrap_diff(a.greedy_correct(), b.greedy_correct())
+    diff, low, high = paired_bootstrap_diff(a.correct, b.correct)
     return {"diff": diff, "ci_low": low, "ci_high": high}
 
 
+def decisions(run: Path) -> list[dict]:
+    """What each decision saw and did: the segment's noise signals next to the jump it allowed or refused."""
+    out = []
+    for line in (run / "jumps.jsonl").read_text().splitlines():
+        j = json.loads(line)
+        best = max(j["candidates"], key=lambda c: c["accuracy"]) if j["candidates"] else None
+        out.append({"step": j["step"], "jumped": j["jumped"], "reason": j["reason"], "signals": j["signals"],
+                    "validation_before": j["validation_accuracy_before"], "validation_after": j["validation_accuracy_after"],
+                    "best_candidate": best and {k: best[k] for k in ("name", "accuracy", "diff", "ci_low", "ci_high")},
+                    "seconds": j["seconds"]})
+    return out
+
+
+# ---- 5. tables --------------------------------------------------------------------------------------------------------
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=300, help="held-out problems per checkpoint")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--skip-noise", action="store_true")
+    parser.add_argument("--only-plain", action="store_true", help="score the plain run and the one-shot baselines only")
     args = parser.parse_args()
-    from relex.evaluate import evaluate
     from relex.train import load_config
 
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -166,46 +213,42 @@ def main() -> None:
     if not args.skip_noise:
         measured = noise(plain_store)
         (RESULTS / "accelerate-noise.json").write_text(json.dumps(measured, indent=1) + "\n")
-        print("noise:", {k: v for k, v in measured.items() if not isinstance(v, list)})
+        print("noise:", {k: v for k, v in measured.items() if not isinstance(v, list)}, flush=True)
     runs = {"plain": plain_points(plain_store)}
-    for run in sorted(p for p in RUNS.glob("jump-*") if (p / "jumps.jsonl").is_file()):
-        runs[run.name] = accelerated_points(run)
-    baselines = one_shot(plain_store, RUNS / "oneshot")
-    labels: dict[str, str] = {}
-    plain_final = max(runs["plain"])
-    labels[f"plain@{plain_final}"] = runs["plain"][plain_final]
-    for name, points in runs.items():
-        for step, checkpoint in sorted(points.items()):
-            labels.setdefault(f"{name}@{step}", checkpoint)
-    labels.update(baselines)
+    if not args.only_plain:
+        for run in sorted(p for p in RUNS.glob("jump-*") if (p / "jumps.jsonl").is_file()):
+            runs[run.name] = accelerated_points(run)
+    labels = {f"{name}@{step}": checkpoint for name, points in runs.items() for step, checkpoint in sorted(points.items())}
+    labels.update(one_shot(plain_store, RUNS / "oneshot"))
     task = load_config(ROOT / "analysis" / "configs" / "accelerate-plain.yaml").task
-    result = evaluate(list(labels.values()), task, n=args.n, max_new_tokens=24, batch_size=args.batch_size,
-                      out_dir=RUNS / "eval", overwrite=True)
-    by_label = dict(zip(labels, result.checkpoints))
-    final = by_label[f"plain@{plain_final}"]
-    table = {label: {"accuracy": r.accuracy, "ci_low": r.ci_low, "ci_high": r.ci_high, "vs_plain_final": paired(r, final)}
-             for label, r in by_label.items()}
-    curves = {}
+    scored = score_all(labels, task, args.n, args.batch_size)
+    if args.only_plain:
+        return
+    plain_final = max(runs["plain"])
+    final = scored[f"plain@{plain_final}"]
+    table = {}
+    for label, r in scored.items():
+        low, high = r.interval()
+        table[label] = {"accuracy": r.accuracy, "ci_low": low, "ci_high": high, "vs_plain_final": paired(r, final)}
+    plain_wall = wall_seconds(RUNS / "plain")
+    curves, reach = {}, {}
     for name, points in runs.items():
-        walls = wall_seconds(RUNS / name) if (RUNS / name / "log.jsonl").is_file() else {}
-        curves[name] = [{"grpo_step": s, "rollouts": s * 64, "accuracy": by_label[f"{name}@{s}"].accuracy,
+        walls = wall_seconds(RUNS / name)
+        curves[name] = [{"grpo_step": s, "rollouts": s * 64, "accuracy": scored[f"{name}@{s}"].accuracy,
                          "wall_seconds": walls.get(s)} for s in sorted(points)]
-    reach = {}
-    for name, curve in curves.items():
-        hit = next((p for p in curve if p["accuracy"] >= final.accuracy), None)
-        plain_wall = wall_seconds(RUNS / "plain").get(plain_final)
+        hit = next((p for p in curves[name] if p["accuracy"] >= final.accuracy), None)
         reach[name] = None if hit is None else {
-            "grpo_steps": hit["grpo_step"], "step_ratio": plain_final / hit["grpo_step"] if hit["grpo_step"] else None,
-            "wall_seconds": hit["wall_seconds"], "wall_ratio": (hit["wall_seconds"] / plain_wall) if hit["wall_seconds"] and plain_wall else None,
+            "grpo_steps": hit["grpo_step"], "rollouts": hit["rollouts"],
+            "step_ratio": plain_final / hit["grpo_step"] if hit["grpo_step"] else None,
+            "wall_seconds": hit["wall_seconds"], "plain_wall_seconds": plain_wall.get(plain_final),
+            "wall_ratio": hit["wall_seconds"] / plain_wall[plain_final] if hit["wall_seconds"] is not None else None,
             "vs_plain_final": table[f"{name}@{hit['grpo_step']}"]["vs_plain_final"],
         }
-    equal_budget = {}
-    for name, points in runs.items():
-        for step in points:
-            if name != "plain" and step in runs["plain"]:
-                equal_budget[f"{name}@{step} − plain@{step}"] = paired(by_label[f"{name}@{step}"], by_label[f"plain@{step}"])
+    equal_budget = {f"{name}@{s} − plain@{s}": paired(scored[f"{name}@{s}"], scored[f"plain@{s}"])
+                    for name, points in runs.items() if name != "plain" for s in points if s in runs["plain"]}
     out = {"n": args.n, "plain_final_step": plain_final, "plain_final_accuracy": final.accuracy, "checkpoints": table,
-           "curves": curves, "reach_plain_final": reach, "equal_budget": equal_budget}
+           "curves": curves, "reach_plain_final": reach, "equal_budget": equal_budget,
+           "decisions": {name: decisions(RUNS / name) for name in runs if name != "plain"}}
     (RESULTS / "accelerate.json").write_text(json.dumps(out, indent=1) + "\n")
     figure(curves, table, final.accuracy, plain_final)
     print(json.dumps({"reach_plain_final": reach, "equal_budget": equal_budget}, indent=1))
