@@ -7,7 +7,7 @@ Every rank opens the same store (across nodes: on a shared filesystem), computes
 its share of the work, split by bytes (`split_by_bytes`):
 
 - `relex fit`: the trajectory tensors. Each rank forms the Gram matrices of its tensors; rank 0 gathers them
-  (T × T each), fits and writes FIT.
+  (T × T each), fits and writes FIT. `relex backtest` shares its Gram pass the same way.
 - `relex extrapolate`: the output shards. The shard plan (`plan_shards`, the files `save_pretrained` would write)
   is the same on every rank; each rank computes the tensors of its shards and writes those shard files, for every
   target, into rank 0's temporary output. Rank 0 then writes each folder's index, config and `relex.json`, and the
@@ -37,6 +37,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from relex.backtest import backtest_store
 from relex.errors import RelexError
 from relex.extrapolate.extrapolate import (
     ExtrapolateConfig,
@@ -104,6 +105,25 @@ def fit_across_ranks(
                     result = fit_from_grams(config, steps, grams, {n: infos[n].numel for n in names}, str(store.path))
                 result.save(out, overwrite=overwrite, inputs=inputs)
             hold.close()
+        return result
+
+
+def backtest_across_ranks(store: TrajectoryStore, observe_until: int, methods: list[str], config: FitConfig):
+    """`relex backtest` under torchrun: the ranks share the Gram pass over every recorded step as `fit` does; rank 0
+    backtests from the gathered matrices. Returns the BacktestResult on rank 0, None on the others."""
+    with process_group() as ranks:
+        with together(ranks, "preparing the backtest"):
+            names, infos = store.trajectory_names, store.tensors
+            share = [names[i] for i in split_by_bytes([infos[n].numel for n in names], ranks.world)[ranks.rank]]
+        grams: dict[str, np.ndarray] = {}
+        with together(ranks, "forming Gram matrices"):
+            grams = share_grams(store, config, store.steps, share)
+        gathered = ranks.all_gather(grams)
+        result = None
+        with together(ranks, "backtesting"):
+            if ranks.is_first:
+                merged = {name: gram for part in gathered for name, gram in part.items()}
+                result = backtest_store(store, observe_until, methods, config, merged)
         return result
 
 

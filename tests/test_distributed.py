@@ -1,4 +1,4 @@
-"""`relex fit` and `relex extrapolate` under `torchrun --nproc-per-node 2` (gloo, CPU) on a planted run.
+"""`relex fit`, `extrapolate` and `backtest` under `torchrun --nproc-per-node 2` (gloo, CPU) on a planted run.
 
 The two-rank outputs must be byte-identical to one process's, and a failure on rank 1 must stop both ranks with
 the same one line and leave nothing at the output.
@@ -110,6 +110,15 @@ def test_extrapolate_on_two_ranks_is_byte_identical(store, tmp_path, options):
     assert done.stdout.count("horizon ratio = step") == 1
     assert_same_bytes(tmp_path / "one", tmp_path / "two")
     assert len(list((tmp_path / "two" / "step-40").glob("model-*.safetensors"))) > 2
+
+
+def test_backtest_on_two_ranks_reports_the_same(store, tmp_path):
+    args = ["backtest", store, "--observe-until", "9"]
+    assert cli(*args, "--out", tmp_path / "one.json") == 0
+    done = torchrun(tmp_path, *args, "--out", tmp_path / "two.json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("backtest written to") == 1
+    assert (tmp_path / "two.json").read_bytes() == (tmp_path / "one.json").read_bytes()
 
 
 def assert_nothing_written(out: Path) -> None:

@@ -14,7 +14,9 @@ def add_arguments(parser):
 def run(args):
     from relex.backtest import backtest_store
     from relex.cli.common import console, fit_config_from, table
+    from relex.distributed import backtest_across_ranks
     from relex.errors import RelexError
+    from relex.ranks import launched
     from relex.store import TrajectoryStore
 
     store = TrajectoryStore.open(args.store)
@@ -28,7 +30,13 @@ def run(args):
         if previous.steps.tolist() != store.steps:
             raise RelexError(f"{args.gram_from}: its Gram covers steps {previous.steps.tolist()[:3]}…, not all {len(store.steps)} recorded steps")
         grams = previous.grams
-    result = backtest_store(store, until, [m.strip() for m in args.methods.split(",") if m.strip()], config, grams)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if launched() and grams is None:  # under torchrun: the ranks share the Gram pass, rank 0 reports (relex.distributed)
+        result = backtest_across_ranks(store, until, methods, config)
+        if result is None:
+            return
+    else:
+        result = backtest_store(store, until, methods, config, grams)
     shown = result.later if len(result.later) <= 8 else result.later[:: max(1, len(result.later) // 8)] + [result.later[-1]]
     shown = sorted(set(shown))
     rows = [[m] + [result.relative_error(m, s) for s in shown] for m in result.methods]
