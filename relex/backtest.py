@@ -18,10 +18,11 @@ from tqdm.auto import tqdm
 
 from relex.errors import RelexError
 from relex.extrapolate.methods import Plan, get_method
-from relex.fit.fit import FitConfig, module_type, validate
+from relex.fit.fit import FitConfig, validate
 from relex.fit.gram import resolve_device, tensor_grams
 from relex.fit.trajectory_fit import fit_tensor
 from relex.store import TrajectoryStore
+from relex.util import grouped, module_type
 
 LOG = logging.getLogger(__name__)
 
@@ -48,10 +49,7 @@ class BacktestResult:
         return sorted(next(iter(next(iter(self.errors.values())).values())))
 
     def drift_by_module_type(self) -> dict[str, float]:
-        groups: dict[str, list[float]] = {}
-        for name, cos in self.drift.items():
-            groups.setdefault(module_type(name), []).append(cos)
-        return {group: median(values) for group, values in sorted(groups.items())}
+        return {group: median(values) for group, values in grouped((module_type(name), cos) for name, cos in self.drift.items()).items()}
 
     def to_dict(self) -> dict:
         return {

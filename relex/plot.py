@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from relex.errors import RelexError
+from relex.util import LOG_NAME, grouped, module_type, read_log
 
 LOG = logging.getLogger(__name__)
 
@@ -120,8 +121,6 @@ def layer_index(name: str) -> int | None:
 
 def representative_tensors(names: list[str], module_types: list[str] | None = None, limit: int = DEFAULT_MAX_TENSORS) -> list[str]:
     """One tensor per module type of the middle layer; with `module_types`, one per asked type (middle layer first)."""
-    from relex.fit import module_type
-
     known = sorted({module_type(n) for n in names})
     unknown = [t for t in module_types or [] if t not in known]
     if unknown:
@@ -255,11 +254,7 @@ def _merged_legend(axes) -> tuple[list, list[str]]:
 
 # ---- explained variance -------------------------------------------------------------------------------------------
 def _grouped(rows: list[dict], key: str) -> dict[str, list[float]]:
-    groups: dict[str, list[float]] = {}
-    for row in rows:
-        if row["rank"] and np.isfinite(row[key]):
-            groups.setdefault(row["module_type"], []).append(row[key])
-    return dict(sorted(groups.items()))
+    return grouped((row["module_type"], row[key]) for row in rows if row["rank"] and np.isfinite(row[key]))
 
 
 def _horizontal() -> dict:
@@ -393,20 +388,13 @@ def plot_accuracy(summary_paths: list[str | Path], out: str | Path, title: str |
 
 
 # ---- rewards ------------------------------------------------------------------------------------------------------
-def read_log(run_dir: str | Path) -> list[dict]:
-    """The per-step records of `RUN/log.jsonl` (or the file itself), in step order."""
+def reward_records(run_dir: str | Path) -> list[dict]:
+    """The lines of `RUN/log.jsonl` (or the file itself) that have a step and a reward, in step order."""
     path = Path(run_dir)
-    path = path / "log.jsonl" if path.is_dir() else path
+    path = path / LOG_NAME if path.is_dir() else path
     if not path.is_file():
-        raise RelexError(f"{path}: no training log (relex train writes RUN/log.jsonl)")
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as error:
-                raise RelexError(f"{path}, line {number}: not JSON ({error})") from None
-    return sorted((r for r in records if "step" in r and "reward" in r), key=lambda r: r["step"])
+        raise RelexError(f"{path}: no training log (relex train writes RUN/{LOG_NAME})")
+    return sorted((r for r in read_log(path) if "step" in r and "reward" in r), key=lambda r: r["step"])
 
 
 def moving_average(values: np.ndarray, window: int) -> np.ndarray:
@@ -419,7 +407,7 @@ def moving_average(values: np.ndarray, window: int) -> np.ndarray:
 
 def plot_rewards(run_dir: str | Path, out: str | Path, window: int | None = None) -> Path:
     """Mean training reward per step, ± its standard deviation over the group, and a moving average."""
-    records = read_log(run_dir)
+    records = reward_records(run_dir)
     if not records:
         raise RelexError(f"{run_dir}: the training log has no record with `step` and `reward`")
     steps = np.array([r["step"] for r in records], dtype=float)

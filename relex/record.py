@@ -30,7 +30,6 @@ import logging
 import os
 import shutil
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +42,7 @@ from relex.io.dtypes import dtype_name, parse_dtype
 from relex.io.hf_folder import HFFolderWriter, make_inference_ready
 from relex.record_sharded import ShardedRecording, is_sharded
 from relex.store import TrajectoryStore, is_store
+from relex.util import is_positive_int, most_common_float_dtype
 
 LOG = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class DeltaRecorder(TrainerCallback):
         base: str | Path | None = None,
         delta_dtype: str | torch.dtype | None = None,
     ):
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        if not is_positive_int(every):
             raise RelexError(f"DeltaRecorder: every must be a positive number of optimizer steps, got {every!r}")
         self.store_dir = Path(store_dir)
         self.every = every
@@ -129,7 +129,7 @@ class DeltaRecorder(TrainerCallback):
     def attach(self, model: torch.nn.Module, global_step: int = 0, processing_class=None) -> TrajectoryStore:
         """Capture θ₀ and create or open the store for a model about to train from `global_step`."""
         live = float_state(model)
-        self._source_dtype = dominant_dtype(live)
+        self._source_dtype = most_common_float_dtype(t.dtype for t in live.values()) or torch.float32
         if self._source_dtype != torch.float32:
             LOG.warning(
                 "the model trains in %s without float32 master weights: updates smaller than about |w|/256 are "
@@ -311,11 +311,6 @@ def ties_within(live: dict[str, torch.Tensor], infos: dict[str, TensorInfo]) -> 
         else:
             first[key] = name
     return tied
-
-
-def dominant_dtype(live: dict[str, torch.Tensor]) -> torch.dtype:
-    counts = Counter(t.dtype for t in live.values())
-    return counts.most_common(1)[0][0] if counts else torch.float32
 
 
 def capture(live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

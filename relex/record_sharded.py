@@ -28,6 +28,7 @@ from relex.errors import RelexError
 from relex.io.checkpoint import CheckpointReader
 from relex.ranks import Ranks, together
 from relex.store import TrajectoryStore, is_store
+from relex.util import most_common_float_dtype
 
 LOG = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class ShardedRecording:
     def __init__(self, recorder, model: torch.nn.Module, global_step: int):
         import torch.distributed as dist
 
-        from relex.record import dominant_dtype, local_model_folder
+        from relex.record import local_model_folder
 
         self.recorder, self.ranks = recorder, Ranks(dist.get_rank(), dist.get_world_size())
         self.live = {n: t for n, t in model.state_dict(keep_vars=True).items() if t.is_floating_point()}
@@ -78,7 +79,7 @@ class ShardedRecording:
                                  "DeltaRecorder(base=FOLDER) with its initial weights (what from_pretrained read)")
             self.theta0 = self._capture()
             self.base = Path(base)
-            recorder._source_dtype = dominant_dtype({n: local_part(t) for n, t in self.live.items()})
+            recorder._source_dtype = most_common_float_dtype(local_part(t).dtype for t in self.live.values()) or torch.float32
         self._check_base(model)
 
     def _capture(self) -> dict[str, torch.Tensor]:

@@ -155,12 +155,12 @@ def config_section(run: RunLayout) -> list[str]:
 
 
 def rewards_section(run: RunLayout, figures: Figures) -> list[str]:
-    from relex.plot import plot_rewards, read_log
+    from relex.plot import plot_rewards, reward_records
 
     lines = ["## Training rewards", ""]
-    if not run.log.is_file() or not read_log(run.log):
+    records = reward_records(run.log) if run.log.is_file() else []
+    if not records:
         return lines + missing("training log", run.log, "relex train --config FILE --out RUN")
-    records = read_log(run.log)
     lines += figures.add("rewards.png", "training reward per step", lambda p: plot_rewards(run.log, p))
     first, last = records[0], records[-1]
     lines.append(f"{len(records)} optimizer steps; mean reward {cell(first['reward'])} at step {first['step']}, "

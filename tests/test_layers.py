@@ -10,7 +10,7 @@ layer or lower ones, so the store never reaches up into the fit, nor the fit int
     fit                          Gram matrices and the rank-r fit
     store, verifiers, tasks      the trajectory store; rewards and problems
     io, models, synthetic        files, the embedded model, planted runs
-    errors, registry, ranks      shared by everything (ranks: the processes torchrun starts)
+    errors, registry, ranks, util  shared by everything (ranks: the processes torchrun starts; util: small helpers)
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ LAYERS = [
     {"fit"},
     {"store", "verifiers", "tasks"},
     {"io", "models", "synthetic"},
-    {"errors", "registry", "version", "ranks"},
+    {"errors", "registry", "version", "ranks", "util"},
 ]
 PACKAGE = Path(__file__).resolve().parent.parent / "relex"
 

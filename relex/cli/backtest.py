@@ -1,5 +1,7 @@
 """`relex backtest`: parse the options and call the library."""
 
+from relex.util import comma_list
+
 
 def add_arguments(parser):
     from relex.cli.common import add_fit_options
@@ -30,7 +32,7 @@ def run(args):
         if previous.steps.tolist() != store.steps:
             raise RelexError(f"{args.gram_from}: its Gram covers steps {previous.steps.tolist()[:3]}…, not all {len(store.steps)} recorded steps")
         grams = previous.grams
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = comma_list(args.methods)
     if launched() and grams is None:  # under torchrun: the ranks share the Gram pass, rank 0 reports (relex.distributed)
         result = backtest_across_ranks(store, until, methods, config)
         if result is None:

@@ -1,5 +1,7 @@
 """`relex extrapolate`: parse the options and call the library."""
 
+from relex.util import comma_list
+
 
 def add_arguments(parser):
     from relex.cli.common import add_fit_options
@@ -39,7 +41,7 @@ def run(args):
     anchors = None
     if args.anchors:
         try:
-            anchors = tuple(int(a) for a in args.anchors.split(","))
+            anchors = tuple(int(a) for a in comma_list(args.anchors))
         except ValueError:
             raise RelexError(f"cannot read --anchors {args.anchors!r}; give two steps like 0,40") from None
         if len(anchors) != 2:
@@ -47,7 +49,7 @@ def run(args):
     config = ExtrapolateConfig(
         targets=parse_targets(args.targets), method=args.method, fit=fit_config_from(args), anchors=anchors,
         dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite,
-        scale=args.scale, keep=tuple(p.strip() for p in (args.keep or "").split(",") if p.strip()),
+        scale=args.scale, keep=tuple(comma_list(args.keep)),
     )
     if args.keep is not None and not config.keep:
         raise RelexError(f"--keep {args.keep!r} names no module type; give patterns like '*norm.weight'")

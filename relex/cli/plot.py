@@ -1,8 +1,10 @@
 """`relex plot trajectory|variance|accuracy|rewards|jumps`: parse the options and call `relex.plot`."""
 
+from relex.util import comma_list
+
 
 def _names(text):
-    return [part.strip() for part in text.split(",") if part.strip()] if text else None
+    return comma_list(text) or None
 
 
 def add_arguments(parser):

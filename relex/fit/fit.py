@@ -29,6 +29,7 @@ from relex.fit.temporal import TEMPORAL_MODELS, TemporalModel, make_temporal
 from relex.fit.trajectory_fit import TensorFit, fit_tensor
 from relex.io.atomic import atomic_output
 from relex.store import TrajectoryStore
+from relex.util import grouped, module_type
 
 LOG = logging.getLogger(__name__)
 
@@ -51,13 +52,6 @@ class FitConfig:
 
     def temporal_model(self) -> TemporalModel:
         return make_temporal(self.temporal, self.degree)
-
-
-def module_type(name: str) -> str:
-    """`model.layers.7.mlp.up_proj.weight` -> `mlp.up_proj.weight`: the name after its last numeric part."""
-    parts = name.split(".")
-    numeric = [i for i, part in enumerate(parts) if part.isdigit()]
-    return ".".join(parts[numeric[-1] + 1 :]) if numeric else name
 
 
 def observed_steps(store: TrajectoryStore, observe_until: int | None) -> list[int]:
@@ -119,10 +113,8 @@ class FitResult:
         return out
 
     def summary_by_module_type(self) -> list[dict]:
-        groups: dict[str, list[dict]] = {}
-        for row in self.rows():
-            groups.setdefault(row["module_type"], []).append(row)
-        return [_summarise(name, rows) for name, rows in sorted(groups.items())] + [_summarise("all", self.rows())]
+        groups = grouped((row["module_type"], row) for row in self.rows())
+        return [_summarise(name, rows) for name, rows in groups.items()] + [_summarise("all", self.rows())]
 
     def summary(self) -> dict:
         overall = _summarise("all", self.rows())

@@ -21,6 +21,7 @@ import torch
 
 from relex.errors import RelexError
 from relex.io.dtypes import SAFETENSORS_TO_TORCH
+from relex.util import is_int
 
 MAX_HEADER_BYTES = 100 * 2**20
 DIRECT_ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffer addresses aligned to the device's block size
@@ -29,7 +30,7 @@ _bounce = threading.local()  # one page-aligned buffer per thread for direct rea
 
 
 def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0
 
 
 def _shown(value) -> str:

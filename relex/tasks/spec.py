@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relex.errors import RelexError
+from relex.util import is_int
 
 DEFAULT_INSTRUCTION = "Put the final answer within \\boxed{}."
 
@@ -52,10 +53,10 @@ class TaskSpec:
             raise RelexError(f"task {self.name}: config must be a mapping, got {type(self.config).__name__}")
         for key in ("train_size", "eval_size"):
             value = getattr(self, key)
-            if value is not None and (not _is_int(value) or value < 0):
+            if value is not None and (not is_int(value) or value < 0):
                 raise RelexError(f"task {self.name}: {key} must be a non-negative integer or null, got {value!r}")
         for key in ("train_seed", "eval_seed"):
-            if not _is_int(getattr(self, key)):
+            if not is_int(getattr(self, key)):
                 raise RelexError(f"task {self.name}: {key} must be an integer, got {getattr(self, key)!r}")
 
     @classmethod
@@ -69,7 +70,3 @@ class TaskSpec:
             if key not in data:
                 raise RelexError(f"task: missing key {key!r} (e.g. source: reasoning_gym, name: chain_sum)")
         return cls(**data)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -24,6 +24,7 @@ from typing import Any
 
 from relex.errors import RelexError
 from relex.tasks import TaskSpec
+from relex.util import is_positive_int
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -92,7 +93,7 @@ class RecordConfig:
 
     def __post_init__(self) -> None:
         for key in ("every", "keep_checkpoints"):
-            if not _positive_int(getattr(self, key)):
+            if not is_positive_int(getattr(self, key)):
                 raise RelexError(f"record.{key}: expected a positive integer, got {getattr(self, key)!r}")
         if self.delta_dtype is not None:
             from relex.io.dtypes import parse_dtype
@@ -221,7 +222,3 @@ def grpo_mapping(data: dict[str, Any] | None) -> dict[str, Any]:
                 "max_completion_length, temperature, beta, max_steps, seed"
             )
     return dict(data)
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0

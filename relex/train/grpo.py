@@ -46,6 +46,7 @@ from relex.errors import RelexError
 from relex.io.atomic import write_lock, write_text_atomic
 from relex.store import is_store
 from relex.train.config import TrainConfig
+from relex.util import read_log
 
 LOG = logging.getLogger(__name__)
 
@@ -359,7 +360,7 @@ def write_config(path: Path, config: TrainConfig, model_path: str) -> None:
 def write_summary(run_dir: Path, recorder, seconds: float) -> dict:
     """Seconds per step, peak memory, recording overhead and store size of the run, in RUN/summary.json."""
     from relex.store import TrajectoryStore
-    from relex.train.progress import peak_rss_mb, read_log
+    from relex.train.progress import peak_rss_mb
 
     lines = read_log(run_dir / LOG_NAME)
     store = TrajectoryStore.open(run_dir / STORE_NAME)

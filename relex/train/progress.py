@@ -24,6 +24,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from relex.util import read_log
+
 LOG = logging.getLogger(__name__)
 
 # TRL's log keys -> log.jsonl keys
@@ -65,13 +67,6 @@ def reward_slope(rewards, window: int = REWARD_SLOPE_WINDOW) -> float | None:
     if len(values) < 2:
         return None
     return float(np.polyfit(np.arange(len(values), dtype=np.float64), np.asarray(values, dtype=np.float64), 1)[0])
-
-
-def read_log(path: str | Path) -> list[dict]:
-    path = Path(path)
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 class StepLogger(TrainerCallback):
