@@ -86,7 +86,7 @@ def backtest_store(
     method_objs = {name: get_method(name) for name in methods}
     plan = Plan(np.asarray(prefix), window, config.temporal_model())
     for method in method_objs.values():
-        if method.name in ("reconstruct", "observed"):
+        if not method.extrapolates:
             raise RelexError(f"method {method.name!r} predicts observed steps only; backtest compares extrapolations")
         method.check(plan, later)
     p, n = len(prefix), len(steps)

@@ -8,7 +8,7 @@
 
 `trajectory`: the coefficient c₁(s) = Δ_sᵀ v₁ of chosen tensors against the real step, the fitted temporal line
 extended past the observed steps, the fit window shaded, and recorded steps the fit did not see drawn as held-out
-points. Their projections need the Gram over *all* recorded steps, c = G[all, fit] u / σ (METHOD.md: vⱼ =
+points. Their projections need the Gram over *all* recorded steps, c = G[all, fit] u / σ (docs/method.md: vⱼ =
 Σᵢ u_{ij} Δᵢ / σⱼ), which is computed for the plotted tensors only.
 
 `accuracy`: one point per evaluated checkpoint with its 95% interval; the x position is its step: `STORE@S` is

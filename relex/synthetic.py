@@ -1,7 +1,7 @@
 """Planted trajectories: checkpoints whose deltas have a known rank-1 direction and linear coefficient.
 
 θ_s = θ₀ + (a·s + b)·v + noise, per float tensor, with a unit direction v and noise of a chosen relative size.
-Used by the tests (the fit must recover v), by `scripts/bench_fit.py`, and by `relex demo --synthetic`.
+Used by the tests (the fit must recover v) and by `scripts/bench_fit.py`.
 """
 
 from __future__ import annotations

@@ -181,6 +181,15 @@ def test_zero_and_frozen_tensors_keep_base_values(tiny_base, tmp_path):
     assert summary["fit_summary"]["tensors"] == len(theta0)
 
 
+@pytest.mark.parametrize("method", ["reconstruct", "observed"])
+def test_backtest_refuses_methods_that_do_not_extrapolate(store, method):
+    from relex.backtest import backtest_store
+    from relex.errors import RelexError
+
+    with pytest.raises(RelexError, match=f"method '{method}' predicts observed steps only"):
+        backtest_store(store, 13, ["relex", method], FitConfig())
+
+
 def test_refit_and_backtest_reuse_the_gram(store, tmp_path):
     from relex.backtest import backtest_store
     from relex.fit import refit

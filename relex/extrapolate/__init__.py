@@ -1,4 +1,4 @@
-"""Write checkpoints at target steps: every method is a weighted sum of stored deltas (METHOD.md)."""
+"""Write checkpoints at target steps: every method is a weighted sum of stored deltas (docs/method.md)."""
 
 from relex.extrapolate.extrapolate import (
     ExtrapolateConfig,

@@ -1,4 +1,4 @@
-"""Fit each tensor's rank-r trajectory direction and its growth in the step number (METHOD.md)."""
+"""Fit each tensor's rank-r trajectory direction and its growth in the step number (docs/method.md)."""
 
 from relex.fit.fit import (
     FitConfig,

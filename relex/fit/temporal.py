@@ -1,4 +1,4 @@
-"""Temporal models of a direction's coefficient c(s) against the real step number s (METHOD.md, "Temporal model").
+"""Temporal models of a direction's coefficient c(s) against the real step number s (docs/method.md, "Temporal model").
 
 Each model fits parameters on (steps, coefficients) inside the fit window and predicts ĉ at any step. Parameters
 are plain JSON values, so a saved fit extrapolates to new targets without refitting.

@@ -1,4 +1,4 @@
-"""The rank-r fit of one tensor's trajectory, computed from its Gram matrix alone (METHOD.md).
+"""The rank-r fit of one tensor's trajectory, computed from its Gram matrix alone (docs/method.md).
 
 From G = U Λ Uᵀ: σⱼ = √λⱼ, coefficients C = U Σ, explained variance Σ_{j≤r} λⱼ / Σ λⱼ, and a temporal model per
 direction fitted on the window's rows of C. A prediction is a weight vector over the observed steps,

@@ -50,7 +50,3 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def from_name(name: str) -> torch.dtype:
     return getattr(torch, name)
-
-
-def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
