@@ -60,10 +60,21 @@ class RecordTiming:
 class DeltaRecorder(TrainerCallback):
     """A `TrainerCallback` that appends θ_step − θ₀ to the store at `store_dir` every `every` optimizer steps.
 
-    base: a checkpoint folder holding the model's initial weights (default: the model's own folder when it
-        matches, else θ₀ is saved into the store).
-    delta_dtype: stored precision of the deltas (`float32` default; `bfloat16` halves the store and records its
-        rounding error in the manifest).
+    Args:
+        store_dir: the trajectory store to create (or, on a resumed run, to continue; relex.store).
+        every: record every `every`-th optimizer step (a positive integer).
+        base: a checkpoint folder holding the model's initial weights (default: the model's own folder when it
+            matches, else θ₀ is saved into the store).
+        delta_dtype: stored precision of the deltas (`float32` default; `bfloat16` halves the store and records
+            its rounding error in the manifest).
+
+    The store is opened at train begin; `store` holds it afterwards (a `TrajectoryStore`).
+
+    Example:
+        from relex import DeltaRecorder
+        trainer = GRPOTrainer(model=..., reward_funcs=..., args=...,
+                              callbacks=[DeltaRecorder("runs/my-run/trajectory", every=2)])
+        trainer.train()  # runs/my-run/trajectory holds the deltas of steps 2, 4, …
     """
 
     def __init__(

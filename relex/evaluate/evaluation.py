@@ -140,10 +140,23 @@ def evaluate(
 ) -> EvalResult:
     """Evaluate each checkpoint on the same `n` held-out problems of `task`; writes `out_dir` when given.
 
-    `task` is a loaded `relex.tasks.Task`, or a `TaskSpec` (or mapping of its fields), loaded once the settings
-    are checked and then recorded in the summary. `generator_factory(checkpoint)` is a context manager yielding
-    a `Generator`; by default the checkpoint is parsed (folder, alias, hub id or `STORE@STEP`), checked, loaded
-    with `backend` and freed afterwards.
+    Args:
+        checkpoints: what `relex eval` takes: a folder, an alias, a hub id, `STORE@STEP`, or `logits(A,B,ALPHA)`.
+        task: a loaded `relex.tasks.Task`, or a `TaskSpec` (or mapping of its fields), loaded once the settings
+            are checked and then recorded in the summary.
+        n: how many held-out problems (default: the whole split); `samples` and `temperature`: completions per
+            problem and how they are drawn (1 and 0.0: greedy pass@1).
+        out_dir: where to write the summary and the per-problem results (nothing is written without it).
+        generator_factory: `generator_factory(checkpoint)` is a context manager yielding a `Generator`; by
+            default the checkpoint is parsed, checked, loaded with `backend` and freed afterwards.
+
+    Returns:
+        An `EvalResult`: per checkpoint its accuracy with a 95% bootstrap interval and its per-problem scores.
+
+    Example:
+        from relex.evaluate import evaluate
+        result = evaluate(["runs/demo/extrapolated/step-60", "runs/demo/trajectory@30"],
+                          {"source": "reasoning_gym", "name": "chain_sum"}, n=100, out_dir="runs/demo/eval")
     """
     from relex.evaluate.report import check_out_dir, write_outputs
 

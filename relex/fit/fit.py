@@ -210,7 +210,23 @@ def refit(store: TrajectoryStore, config: FitConfig, previous_dir: str | Path) -
 
 
 def fit_store(store: TrajectoryStore, config: FitConfig) -> FitResult:
-    """One pass over the store's observed steps: the Gram of every trajectory tensor, then the fit."""
+    """One pass over the store's observed steps: the Gram of every trajectory tensor, then the fit.
+
+    Args:
+        store: an open trajectory store (`TrajectoryStore.open(path)`).
+        config: the recipe (rank, temporal model, window, `observe_until`) and how to run it (device, I/O mode,
+            chunk size); only the recipe is saved with the result.
+
+    Returns:
+        A `FitResult`: per tensor its rank-r directions and fitted temporal line, with the Gram matrices;
+        `.rows()` and `.summary()` give the diagnostics, `.save(folder)` writes what `relex fit` writes.
+
+    Example:
+        from relex.fit import FitConfig, fit_store
+        fit = fit_store(TrajectoryStore.open("runs/demo/trajectory"), FitConfig(rank=1, observe_until=6))
+        fit.summary()["median_explained_variance"]
+        fit.save("runs/demo/fit")
+    """
     steps = observed_steps(store, config.observe_until)
     validate(config, steps)
     device = resolve_device(config.device)

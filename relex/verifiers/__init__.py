@@ -38,7 +38,18 @@ VERIFIERS.register("format")(format_reward)
 
 
 def get_verifier(name: str):
-    """The verifier registered as `name`; an unknown name raises `RelexError` listing the valid ones."""
+    """The verifier registered as `name`; an unknown name raises `RelexError` listing the valid ones.
+
+    Args:
+        name: one of `math`, `reasoning_gym`, `numeric`, `json_schema`, `code`, `format`.
+
+    Returns:
+        A reward function with TRL's signature, `fn(completions, **columns) -> list[float]`: the columns it
+        reads are named in its docstring (`answer` for `math` and `numeric`).
+
+    Example:
+        get_verifier("math")(["62 - 24 = \\boxed{38}"], answer=["38"])  # [1.0]
+    """
     return VERIFIERS.get(name)
 
 

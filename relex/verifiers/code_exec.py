@@ -48,7 +48,19 @@ MAX_REPORT_BYTES = 2**20
 
 
 def code_reward(completions, **columns) -> list[float]:
-    """1.0 where the extracted code passes the `tests` column in the sandbox, else 0.0 (never raises for bad code)."""
+    """1.0 where the extracted code passes the `tests` column in the sandbox, else 0.0 (never raises for bad code).
+
+    Args:
+        completions: strings or chat completions; the code is the last fenced Python block (or the whole text).
+        tests: the dataset column with the tests per row; `timeout` (optional column): seconds per row.
+
+    Returns:
+        One score per completion. Raises `RelexError` before running anything when the sandbox (bubblewrap)
+        is missing.
+
+    Example:
+        code_reward(["```python\\ndef add(a, b):\\n    return a + b\\n```"], tests=["assert add(1, 2) == 3"])  # [1.0]
+    """
     n = len(completions)
     tests = required_column(columns, "tests", n, NAME)
     timeouts = optional_column(columns, "timeout", n, DEFAULT_TIMEOUT)

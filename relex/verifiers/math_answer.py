@@ -54,7 +54,18 @@ _PLAIN_NUMBER = re.compile(r"\s*-?[\d.,\s]*\d\s*%?\s*")
 
 
 def math_reward(completions, **columns) -> list[float]:
-    """1.0 where the committed answer equals the `answer` column according to math-verify, else 0.0."""
+    """1.0 where the committed answer equals the `answer` column according to math-verify, else 0.0.
+
+    Args:
+        completions: strings, or chat completions (lists of messages; the last one's content is scored).
+        answer: the dataset column with the gold answers; `answer_form` (optional): how to read them.
+
+    Returns:
+        One score per completion.
+
+    Example:
+        math_reward(["62 - 24 = \\boxed{38}", "so \\boxed{40}"], answer=["38", "38"])  # [1.0, 0.0]
+    """
     n = len(completions)
     golds = required_column(columns, "answer", n, NAME)
     forms = [answer_form(f) for f in optional_column(columns, "answer_form", n, "auto")]

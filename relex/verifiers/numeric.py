@@ -22,7 +22,18 @@ _LATEX_FRACTION = re.compile(r"^\\[dt]?frac\s*\{([^{}]+)\}\s*\{([^{}]+)\}$")
 
 
 def numeric_reward(completions, **columns) -> list[float]:
-    """1.0 where the final answer is within `tolerance` of the `answer` column, else 0.0."""
+    """1.0 where the final answer is within `tolerance` of the `answer` column, else 0.0.
+
+    Args:
+        completions: strings or chat completions.
+        answer: the gold numbers; `tolerance` (optional column): the allowed difference per row.
+
+    Returns:
+        One score per completion.
+
+    Example:
+        numeric_reward(["about \\boxed{3.14}"], answer=["3.1416"], tolerance=[0.01])  # [1.0]
+    """
     n = len(completions)
     golds = required_column(columns, "answer", n, NAME)
     tolerances = optional_column(columns, "tolerance", n, DEFAULT_TOLERANCE)

@@ -30,7 +30,20 @@ NAME = "reasoning_gym"
 
 
 def reasoning_gym_reward(completions, **columns) -> list[float]:
-    """The reasoning-gym score (0.0 to 1.0) of each completion's answer for its `entry`."""
+    """The reasoning-gym score (0.0 to 1.0) of each completion's answer for its `entry`.
+
+    Args:
+        completions: strings or chat completions.
+        entry: the dataset column with reasoning-gym's entry per row (its question, answer and metadata);
+            `task` (optional column): the reasoning-gym dataset that scores it (default: the entry's own).
+
+    Returns:
+        One score per completion, from the dataset's own `score_answer`.
+
+    Example:
+        rows = load_task({"source": "reasoning_gym", "name": "basic_arithmetic"}).rows("eval", 2)
+        reasoning_gym_reward(["\\boxed{38}", "\\boxed{7}"], entry=[r["entry"] for r in rows])
+    """
     n = len(completions)
     entries = [as_entry(e) for e in required_column(columns, "entry", n, NAME)]
     tasks = optional_column(columns, "task", n, None)

@@ -20,7 +20,18 @@ NAME = "json_schema"
 
 
 def json_schema_reward(completions, **columns) -> list[float]:
-    """1.0 where the completion's JSON validates against the `schema` column, else 0.0."""
+    """1.0 where the completion's JSON validates against the `schema` column, else 0.0.
+
+    Args:
+        completions: strings or chat completions.
+        schema: the dataset column with one JSON schema per row.
+
+    Returns:
+        One score per completion.
+
+    Example:
+        json_schema_reward(['{"a": 1}'], schema=[{"type": "object", "required": ["a"]}])  # [1.0]
+    """
     schemas = required_column(columns, "schema", len(completions), NAME)
     return [score_json(completion_text(c), schema_validator(s)) for c, s in zip(completions, schemas, strict=True)]
 
