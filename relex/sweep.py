@@ -27,6 +27,7 @@ from pathlib import Path
 
 from relex.errors import RelexError
 from relex.fit import FitConfig
+from relex.tasks.spec import as_task_spec
 
 LOG = logging.getLogger(__name__)
 
@@ -92,20 +93,11 @@ class SweepResult:
 
 
 # ---- validation problems ------------------------------------------------------------------------------------------
-def task_spec_of(task):
-    from relex.evaluate.config import task_spec_from_name
-    from relex.tasks import TaskSpec
-
-    if isinstance(task, TaskSpec):
-        return task
-    return TaskSpec.from_dict(task_spec_from_name(task) if isinstance(task, str) else dict(task))
-
-
 def validation_task(task, n: int):
     """A Task whose held-out split is `n` validation problems: another draw of the eval split, minus test questions."""
     from relex.tasks import EVAL, Task, load_task
 
-    spec = task_spec_of(task)
+    spec = as_task_spec(task)
     test_questions = {row["question"] for row in load_task(spec).rows(EVAL)}
     shifted = dataclasses.replace(spec, eval_seed=spec.eval_seed + VALIDATION_SEED_OFFSET, eval_size=VALIDATION_DRAW_FACTOR * n)
     drawn = load_task(shifted)

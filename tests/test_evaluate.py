@@ -284,7 +284,7 @@ def test_store_step_is_the_checkpoint_it_recorded(tiny_models, planted_verifiers
 
 
 def test_task_names_become_task_specs():
-    from relex.evaluate.config import task_spec_from_name
+    from relex.tasks.spec import task_spec_from_name
 
     assert task_spec_from_name("chain_sum") == {"source": "reasoning_gym", "name": "chain_sum"}
     assert task_spec_from_name("reasoning_gym:chain_sum") == {"source": "reasoning_gym", "name": "chain_sum"}

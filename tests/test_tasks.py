@@ -283,3 +283,15 @@ def test_hf_source_with_a_local_stand_in_for_the_hub(monkeypatch):
     assert task.rows("eval")[0]["answer"] == "1,000" and task.rows("eval")[0]["id"] == "openai/gsm8k[test]:0"
     with pytest.raises(RelexError, match="asked for 9 rows of 'train', which has 6"):
         load_task({"source": "hf", "name": "openai/gsm8k", "train_size": 9})
+
+
+def test_a_task_is_given_by_name_mapping_or_spec():
+    from relex.errors import RelexError
+    from relex.tasks import TaskSpec, as_task_spec
+
+    spec = TaskSpec(source="reasoning_gym", name="chain_sum")
+    assert as_task_spec(spec) is spec
+    assert as_task_spec("chain_sum") == as_task_spec({"source": "reasoning_gym", "name": "chain_sum"}) == spec
+    assert as_task_spec("hf:openai/gsm8k") == TaskSpec(source="hf", name="openai/gsm8k")
+    with pytest.raises(RelexError, match="expected a mapping of TaskSpec fields or a task name"):
+        as_task_spec(["chain_sum"])

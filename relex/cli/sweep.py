@@ -25,11 +25,8 @@ def add_arguments(parser):
 
 def task_from(args):
     from relex.errors import RelexError
-    from relex.evaluate.config import (
-        parse_task_config,
-        task_spec_from_file,
-        task_spec_from_name,
-    )
+    from relex.evaluate.config import parse_task_config, task_spec_from_file
+    from relex.tasks.spec import task_spec_from_name
 
     if (args.task is None) == (args.task_file is None):
         raise RelexError("give --task NAME or --task-file FILE (one of them)")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from relex.errors import RelexError
 from relex.evaluate.evaluation import EvalSettings
+from relex.tasks.spec import task_spec_from_name
 
 
 @dataclass(frozen=True)
@@ -84,18 +85,6 @@ def task_spec_from_file(path: str | Path) -> dict:
     if not isinstance(task, dict):
         raise RelexError(f"{path}: no `task:` mapping (TaskSpec fields such as source, name, config)")
     return task
-
-
-def task_spec_from_name(name: str) -> dict:
-    """`chain_sum`, `reasoning_gym:chain_sum`, `problems.jsonl` or `hf:ID` as a TaskSpec mapping."""
-    if name.endswith(".jsonl"):
-        return {"source": "jsonl", "name": name}
-    source, colon, rest = name.partition(":")
-    if not colon:
-        return {"source": "reasoning_gym", "name": name}
-    if not source or not rest:
-        raise RelexError(f"task {name!r}: write NAME or reasoning_gym:NAME, hf:DATASET_ID, or a path ending in .jsonl")
-    return {"source": source, "name": rest}  # load_task names the valid sources if this one is unknown
 
 
 def parse_task_config(text: str) -> dict:

@@ -182,9 +182,9 @@ def loaded_task(task) -> tuple[object, dict]:
     """The task, loaded from its spec when given one, and what the summary records about it."""
     spec = None
     if not hasattr(task, "rows"):
-        from relex.tasks import TaskSpec, load_task
+        from relex.tasks import as_task_spec, load_task
 
-        spec = task if isinstance(task, TaskSpec) else TaskSpec.from_dict(dict(task))
+        spec = as_task_spec(task)
         task = load_task(spec)
     return task, {"name": task.name, "verifier": task.verifier, "spec": None if spec is None else asdict(spec)}
 

@@ -11,7 +11,7 @@ Sources (`TASK_SOURCES`): reasoning_gym (procedural), jsonl (a local file), hf (
 
 from relex.tasks import hf_source, jsonl_source, reasoning_gym_source  # noqa: F401  (they register themselves)
 from relex.tasks.entry import decode_entry, encode_entry
-from relex.tasks.spec import DEFAULT_INSTRUCTION, TaskSpec
+from relex.tasks.spec import DEFAULT_INSTRUCTION, TaskSpec, as_task_spec
 from relex.tasks.task import EVAL, TASK_SOURCES, TRAIN, Task, TaskSource, load_task
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "Task",
     "TaskSource",
     "TaskSpec",
+    "as_task_spec",
     "decode_entry",
     "encode_entry",
     "load_task",

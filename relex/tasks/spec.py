@@ -4,11 +4,13 @@
              config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2})
     TaskSpec(source="jsonl", name="data/gsm8k.jsonl", eval_size=200)
     TaskSpec.from_dict(yaml.safe_load(...)["task"])   # unknown keys fail, naming the valid ones
+    as_task_spec("chain_sum")                          # a name, a mapping or a TaskSpec: what every command takes
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,3 +72,26 @@ class TaskSpec:
             if key not in data:
                 raise RelexError(f"task: missing key {key!r} (e.g. source: reasoning_gym, name: chain_sum)")
         return cls(**data)
+
+
+def as_task_spec(task: TaskSpec | Mapping[str, Any] | str) -> TaskSpec:
+    """The TaskSpec itself, one from its mapping, or one from a name as `--task` reads it (task_spec_from_name)."""
+    if isinstance(task, TaskSpec):
+        return task
+    if isinstance(task, str):
+        return TaskSpec.from_dict(task_spec_from_name(task))
+    if not isinstance(task, Mapping):
+        raise RelexError(f"task: expected a mapping of TaskSpec fields or a task name, got {task!r}")
+    return TaskSpec.from_dict(dict(task))
+
+
+def task_spec_from_name(name: str) -> dict:
+    """`chain_sum`, `reasoning_gym:chain_sum`, `problems.jsonl` or `hf:ID` as a TaskSpec mapping."""
+    if name.endswith(".jsonl"):
+        return {"source": "jsonl", "name": name}
+    source, colon, rest = name.partition(":")
+    if not colon:
+        return {"source": "reasoning_gym", "name": name}
+    if not source or not rest:
+        raise RelexError(f"task {name!r}: write NAME or reasoning_gym:NAME, hf:DATASET_ID, or a path ending in .jsonl")
+    return {"source": source, "name": rest}  # load_task names the valid sources if this one is unknown

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from relex.errors import RelexError
-from relex.tasks import TaskSpec
+from relex.tasks import TaskSpec, as_task_spec
 from relex.util import is_positive_int
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -118,7 +118,7 @@ class TrainConfig:
             raise RelexError("config: missing `task` (e.g. task: {source: reasoning_gym, name: chain_sum})")
         model = data.get("model")
         reward = section(RewardConfig, data.get("reward"), "reward")
-        task = task_spec(data["task"])
+        task = as_task_spec(data["task"])
         if reward.verifier and not task.verifier:
             task.verifier = reward.verifier  # so that `relex eval --task-file` scores with the same verifier
         return cls(
@@ -181,17 +181,6 @@ def section(cls, data: dict[str, Any] | None, where: str):
         raise RelexError(f"{where}: expected a mapping, got {data!r}")
     check_keys(data, [f.name for f in dataclasses.fields(cls)], where)
     return cls(**data)
-
-
-def task_spec(data: dict[str, Any] | str) -> TaskSpec:
-    """A TaskSpec from its mapping, or from a name (`chain_sum`, `hf:ID`, `FILE.jsonl`) as `relex eval --task` reads it."""
-    if isinstance(data, str):
-        from relex.evaluate.config import task_spec_from_name
-
-        data = task_spec_from_name(data)
-    if not isinstance(data, dict):
-        raise RelexError(f"task: expected a mapping of TaskSpec fields or a task name, got {data!r}")
-    return TaskSpec.from_dict(data)
 
 
 def accelerate_mapping(data: Any) -> dict[str, Any] | None:
