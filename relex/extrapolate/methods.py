@@ -1,4 +1,4 @@
-"""Extrapolation methods: each turns target steps into weights over the observed deltas (METHOD.md).
+"""Extrapolation methods: each turns target steps into weights over the observed deltas (docs/method.md).
 
 Every method predicts Δ̂(s*) = Σᵢ wᵢ Δᵢ, so a method is just `weights(plan, targets, fit) -> (targets × T)`;
 the streaming pass that applies the weights is shared (relex.extrapolate.extrapolate).
