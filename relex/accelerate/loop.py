@@ -181,7 +181,7 @@ class JumpController(TrainerCallback):
     _model: object = None
     _tokenizer: object = None
     _optimizer: object = None
-    _previous_end: dict | None = None  # the previous segment's displacement per tensor (for the drift signal)
+    _previous_store: TrajectoryStore | None = None  # the previous segment's store (for the drift signal)
 
     @property
     def timings(self):
@@ -303,7 +303,7 @@ class JumpController(TrainerCallback):
             reason = decision.reason
         tick = time.perf_counter()
         virtual_before = self.virtual_step + length
-        self._previous_end = self._segment_displacement()
+        self._previous_store = self.segment.store
         if decision.jump:
             chosen = decision.chosen
             load_into(self._model, read_folder(chosen.path))
@@ -348,29 +348,21 @@ class JumpController(TrainerCallback):
                 candidates += [Candidate(method, r.target / length, scale, start + r.target, r.path) for r in reports]
         return candidates
 
-    def _segment_displacement(self) -> dict | None:
-        """Per tensor, the segment's last delta (its displacement from the start), for the next drift signal."""
-        store = self.segment.store
-        if not store.steps:
-            return None
-        reader = store.reader([store.steps[-1]])
-        return {name: reader.read(name).reshape(-1).double() for name in store.trajectory_names}
-
     def _drift(self) -> float | None:
-        """Median over tensors of cos(this segment's displacement, the previous segment's)."""
-        if self._previous_end is None:
+        """Median over tensors of cos(this segment's displacement, the previous segment's): each is its store's
+        last delta, read one tensor at a time from the two stores (memory holds two tensors, never a model)."""
+        previous, current = self._previous_store, self.segment.store
+        if previous is None or not previous.steps or not current.steps:
             return None
-        current = self._segment_displacement()
-        if current is None:
-            return None
+        before, now = previous.reader([previous.steps[-1]]), current.reader([current.steps[-1]])
         cosines = []
-        for name, now in current.items():
-            before = self._previous_end.get(name)
-            if before is None:
+        for name in current.trajectory_names:
+            if name not in previous.tensors:
                 continue
-            denominator = float(now.norm() * before.norm())
+            a, b = now.read(name).reshape(-1).double(), before.read(name).reshape(-1).double()
+            denominator = float(a.norm() * b.norm())
             if denominator > 0:
-                cosines.append(float(now @ before) / denominator)
+                cosines.append(float(a @ b) / denominator)
         return float(np.median(cosines)) if cosines else None
 
     def _cleanup(self, jump_dir: Path) -> None:
@@ -389,6 +381,7 @@ class JumpController(TrainerCallback):
             "jumps": sum(1 for j in jumps if j["jumped"]),
             "final_validation_accuracy": jumps[-1]["validation_accuracy_after"] if jumps else None,
             "rollouts": state.global_step * self.rollouts_per_step,
+            "validation_generations": sum(j["validation_n"] * (1 + len(j["candidates"])) for j in jumps),
             "seconds": {
                 "wall": wall,
                 "grpo": sum(line.get("step_seconds", 0.0) for line in lines),
