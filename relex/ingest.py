@@ -8,7 +8,10 @@ Layouts recognised (step numbers come from the layout or from the user, never fr
 - revisions of a hub repository, `hf://ORG/REPO` with `--revisions`, read in the hub cache (relex.io.hub).
 
 By default the store references the checkpoints in place, after validating every tensor's name, shape and
-dtype against the base and scanning the values for NaN/Inf; `--copy` writes the deltas into the store instead.
+dtype against the base and every file's header and size, without reading the values: a NaN or Inf is caught
+later by the pass that reads them (a step's Gram diagonal, or the weighted sum), which names the tensor and the
+step. `--verify` scans every value for NaN/Inf here instead; `--copy` writes the deltas into the store (reading,
+and checking, every value).
 Tied tensors come from the model's architecture as its config.json declares it (`tie_word_embeddings`), never
 from values that happen to be equal.
 
@@ -211,12 +214,16 @@ def declared_ties(base_dir: Path, infos: dict[str, TensorInfo]) -> dict[str, str
     return tied
 
 
-def scan_step(base: CheckpointReader, reader: CheckpointReader, checkpoint: Checkpoint, names: list[str], tied: dict[str, str]) -> None:
-    """Read every value once: NaN/Inf and unreadable data fail here; ties that break are dropped."""
+def scan_values(reader: CheckpointReader, checkpoint: Checkpoint, names: list[str]) -> None:
+    """Read every value once (`--verify`): NaN/Inf and unreadable data fail here rather than in a later pass."""
     for name in names:
         values = reader.read(name)
         if values.is_floating_point() and not torch.isfinite(values).all():
             raise RelexError(f"{checkpoint.folder} (step {checkpoint.step}): tensor {name} has NaN or Inf values")
+
+
+def drop_broken_ties(reader: CheckpointReader, checkpoint: Checkpoint, tied: dict[str, str]) -> None:
+    """Ties of the config whose two tensors differ in this checkpoint are dropped (only tied tensors are read)."""
     for alias, canonical in list(tied.items()):
         if not torch.equal(reader.read(alias), reader.read(canonical)):
             LOG.warning("%s (step %d): %s and %s are tied in the config but differ; recording both", checkpoint.folder, checkpoint.step, alias, canonical)
@@ -234,8 +241,12 @@ def ingest(
     overwrite: bool = False,
     repoint: bool = False,
     revisions: list[str] | None = None,
+    verify: bool = False,
 ) -> TrajectoryStore:
-    """Make the store `out` from the checkpoints under `paths` (or, with `repoint`, point `out` at them)."""
+    """Make the store `out` from the checkpoints under `paths` (or, with `repoint`, point `out` at them).
+
+    Values are read only with `verify` (every value scanned for NaN/Inf), `copy`, or for tensors the config ties.
+    """
     out = Path(out)
     if repoint:
         return repoint_store(paths, base, out, steps)
@@ -257,8 +268,10 @@ def ingest(
             reader = open_checkpoint(checkpoint.folder)
             readers.append((checkpoint, reader, validate_checkpoint(base_infos, checkpoint, reader)))
         tied = declared_ties(base_dir, base_infos)
-        for checkpoint, reader, _ in tqdm(readers, desc="ingest: checking values", unit="step", leave=False, disable=None):
-            scan_step(base_reader, reader, checkpoint, sorted(base_infos), tied)
+        for checkpoint, reader, _ in tqdm(readers, desc="ingest: checking values", unit="step", leave=False, disable=None if verify else True):
+            if verify:
+                scan_values(reader, checkpoint, sorted(base_infos))
+            drop_broken_ties(reader, checkpoint, tied)
         created_by = {
             "command": "relex ingest",
             "layout": sorted({c.layout for c in checkpoints}),

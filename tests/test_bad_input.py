@@ -55,7 +55,7 @@ def test_tensor_missing(planted, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf])
-def test_nan_or_inf(planted, tmp_path, capsys, value):
+def test_nan_or_inf_refused_at_ingest_with_verify(planted, tmp_path, capsys, value):
     base, run, _ = planted
     name = "model.layers.1.self_attn.v_proj.weight"
 
@@ -63,8 +63,41 @@ def test_nan_or_inf(planted, tmp_path, capsys, value):
         t[name][3, 4] = value
 
     edit(run / "checkpoint-13", poison)
-    message = run_fails(capsys, "ingest", run, "--base", base, "--out", tmp_path / "s", out=tmp_path / "s")
+    message = run_fails(capsys, "ingest", run, "--base", base, "--out", tmp_path / "s", "--verify", out=tmp_path / "s")
     assert name in message and "step 13" in message and "NaN or Inf" in message
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize(
+    "command",
+    [["fit"], ["extrapolate", "--targets", "50"], ["extrapolate", "--targets", "50", "--method", "two-point"],
+     ["extrapolate", "--targets", "50", "--fit", "FIT"], ["backtest", "--observe-until", "13"]],
+    ids=["fit", "extrapolate", "two-point", "saved-fit", "backtest"],
+)
+def test_nan_or_inf_ingested_without_verify_is_refused_by_the_pass(planted, tmp_path, capsys, value, command):
+    """Ingest reads headers only; the pass that reads the values names the tensor and step, writing nothing."""
+    base, run, _ = planted
+    store, fit = tmp_path / "store", tmp_path / "fit"
+    assert cli("ingest", run, "--base", base, "--out", store) == 0
+    assert cli("fit", store, "--out", fit) == 0  # before the damage: a saved fit lets extrapolate skip the Gram
+    name = "model.layers.1.self_attn.v_proj.weight"
+    edit(run / "checkpoint-13", lambda t: t[name].__setitem__((3, 4), value))
+    out = tmp_path / "o"
+    args = [str(fit) if a == "FIT" else a for a in command]
+    message = run_fails(capsys, args[0], store, *args[1:], "--out", out, out=out)
+    assert message.count("\n") == 0 and name in message and "NaN or Inf at step 13" in message
+
+
+def test_ingest_without_verify_reads_no_values(planted, tmp_path, monkeypatch):
+    from relex.io.safetensors_file import SafetensorsFile
+
+    base, run, _ = planted
+
+    def no_reads(*args, **kwargs):
+        raise AssertionError("ingest read values without --verify")
+
+    monkeypatch.setattr(SafetensorsFile, "read_into", no_reads)
+    assert cli("ingest", run, "--base", base, "--out", tmp_path / "store") == 0
 
 
 def test_nan_in_a_referenced_checkpoint_changed_after_ingest(planted, store, tmp_path, capsys):

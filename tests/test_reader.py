@@ -83,13 +83,13 @@ def test_a_reading_error_is_raised_at_its_block_and_the_readers_stop(planted, tm
     bad_name, bad_step = store.trajectory_names[3], STEPS[2]
     path = run / f"checkpoint-{bad_step}" / "model.safetensors"
     tensors = load_file(str(path))
-    tensors[bad_name][0, 0] = float("nan")  # the referenced checkpoint changed after ingest
+    tensors[bad_name] = tensors[bad_name][:-1].clone()  # the referenced checkpoint changed after ingest
     save_file(tensors, str(path), metadata={"format": "pt"})
     reader = store.reader()
     blocks = [Block(n, gram=True) for n in store.trajectory_names]
     threads_before = torch.get_num_threads()
     served = []
-    with pytest.raises(RelexError, match=f"tensor {bad_name}: NaN or Inf at step {bad_step}"):
+    with pytest.raises(RelexError, match=f"tensor {bad_name}: shape .* at step {bad_step}"):
         for block, _, _ in reader.stream(blocks, readers=2, gram=relex.fit.gram.GRAM):
             served.append(block.name)
     assert served == store.trajectory_names[:3]

@@ -18,6 +18,11 @@ def add_arguments(parser):
         help="replace an existing store once the new one is complete (never an input: the run, a checkpoint or the base)",
     )
     parser.add_argument(
+        "--verify", action="store_true",
+        help="read every value now and refuse NaN/Inf here (by default only names, shapes, dtypes and file headers are "
+        "checked, and the fit or extrapolation that reads the values refuses them, naming the tensor and step)",
+    )
+    parser.add_argument(
         "--repoint", action="store_true",
         help="point the existing store --out at the same checkpoints in a new place (a run folder that moved)",
     )
@@ -33,7 +38,7 @@ def run(args):
     store = ingest(
         args.checkpoints, args.base, args.out, steps=parse_steps(args.steps), copy=args.copy,
         delta_dtype=args.delta_dtype, overwrite=args.overwrite, repoint=args.repoint,
-        revisions=expand_revisions(args.revisions) if args.revisions is not None else None,
+        revisions=expand_revisions(args.revisions) if args.revisions is not None else None, verify=args.verify,
     )
     if args.repoint:
         base = os.path.normpath(store.base_dir)

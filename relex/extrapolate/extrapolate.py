@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import shutil
 import time
@@ -42,7 +43,7 @@ from relex.fit.fit import (
     validate,
     window_indices,
 )
-from relex.fit.gram import GRAM, resolve_device
+from relex.fit.gram import GRAM, check_finite_gram, non_finite_message, resolve_device
 from relex.fit.trajectory_fit import TensorFit, fit_tensor
 from relex.io.atomic import atomic_output, check_output, write_lock
 from relex.io.checkpoint import CheckpointReader, TensorInfo, read_config
@@ -185,6 +186,7 @@ class _Pass:
         for _, _, part in blocks:
             gram += part
         self.grams[name] = gram.cpu().numpy()
+        check_finite_gram(name, self.grams[name], self.plan.steps.tolist())
         return fit_tensor(name, self.plan.steps, self.grams[name], self.fit_config.rank, self.plan.model, self.plan.window)
 
     def trajectory_outputs(self, name: str, info: TensorInfo):
@@ -212,6 +214,7 @@ class _Pass:
         for rows, matrix, _ in blocks:
             base = self.base.read(name, rows)
             predicted = (w_t @ matrix.to(self.device)).cpu()
+            check_finite_inputs(name, predicted, matrix, self.plan.steps)
             yield rows, [self._combine(base, delta, report) for delta, report in zip(predicted, self.reports)]
 
     def _combine(self, base: torch.Tensor, delta: torch.Tensor, report: TargetReport) -> torch.Tensor:
@@ -315,6 +318,20 @@ def _write_targets(state: _Pass, out_dir: Path, max_shard: int) -> FitResult | N
             writer.abort()
         raise
     return fit_used
+
+
+def check_finite_inputs(name: str, predicted: torch.Tensor, matrix: torch.Tensor, steps) -> None:
+    """Refuse a weighted sum made non-finite by a NaN or Inf in the values read, naming the step that holds it.
+
+    Passes without a Gram (a saved fit, two-point, observed...) see such values only here. A sum is the cheap
+    test (a NaN or Inf in the sum comes from one in `predicted`, or from an overflow); only then is `matrix`
+    scanned, which names the step, or finds none (an overflow, left to `check_finite` on the output).
+    """
+    if math.isfinite(float(predicted.sum())):
+        return
+    bad = ~torch.isfinite(matrix).all(dim=1).cpu()
+    if bad.any():
+        raise RelexError(non_finite_message(name, int(steps[int(bad.nonzero()[0, 0])])))
 
 
 def check_finite(name: str, values: torch.Tensor, target: int) -> None:

@@ -5,6 +5,10 @@ the chosen device; a block of a few MiB is still in the CPU cache when its produ
 product is formed in float32 (on the CPU by the kernel in `gram_kernel`, which computes the lower triangle only,
 or by torch's matrix multiply on a GPU or without numba) and the blocks are accumulated in float64, so long runs
 and large tensors do not lose digits.
+
+The pass that builds G is also where non-finite values are caught (ingest does not read them unless asked to):
+a NaN or Inf anywhere in step i's row of M makes G[i, i] = Σ M[i, c]² non-finite, so one look at the diagonal
+names the step, at no cost beyond the product itself (`check_finite_gram`).
 """
 
 from __future__ import annotations
@@ -104,6 +108,19 @@ def _thread_pool() -> ThreadPoolExecutor:
 GRAM = SimpleNamespace(prepare=prepare, chunk_gram=chunk_gram)
 
 
+def check_finite_gram(name: str, gram: np.ndarray, steps) -> None:
+    """Refuse a Gram whose diagonal is not finite: step i's values of tensor `name` hold a NaN or Inf."""
+    diagonal = np.diagonal(gram)
+    if not np.isfinite(diagonal).all():
+        step = steps[int(np.flatnonzero(~np.isfinite(diagonal))[0])]
+        raise RelexError(non_finite_message(name, step))
+
+
+def non_finite_message(name: str, step: int) -> str:
+    return (f"tensor {name}: NaN or Inf at step {step} (the checkpoint holds non-finite weights, or changed after "
+            "ingest; `relex ingest --verify` checks every value up front)")
+
+
 def tensor_gram(reader, name: str, device: torch.device, max_elements: int) -> np.ndarray:
     """G for tensor `name` over the reader's steps, reading one row block at a time."""
     return dict(tensor_grams(reader, [name], device, max_elements))[name]
@@ -119,8 +136,14 @@ def tensor_grams(reader, names: list[str], device: torch.device, max_elements: i
     for block, _, part in reader.stream(plan, device, gram=GRAM):
         if block.name != current:
             if current is not None:
-                yield current, gram.cpu().numpy()
+                yield current, _checked(current, gram, reader.steps)
             current, gram = block.name, torch.zeros(steps, steps, dtype=torch.float64, device=device)
         gram += part
     if current is not None:
-        yield current, gram.cpu().numpy()
+        yield current, _checked(current, gram, reader.steps)
+
+
+def _checked(name: str, gram: torch.Tensor, steps) -> np.ndarray:
+    gram = gram.cpu().numpy()
+    check_finite_gram(name, gram, steps)
+    return gram
