@@ -106,7 +106,7 @@ class PlantedTask:
 @pytest.fixture
 def planted_verifiers(monkeypatch):
     """A stand-in relex.verifiers: exact match of the last number; the completion CRASH counts as a failure."""
-    failures = Counter()
+    counting: list[Counter] = []  # the open count_failures() blocks
 
     def extract(text):
         numbers = re.findall(r"-?\d+", text)
@@ -117,17 +117,25 @@ def planted_verifiers(monkeypatch):
         scores = []
         for completion, gold in zip(completions, answer):
             if completion == "CRASH":
-                failures["exact"] += 1
+                for counted in counting:
+                    counted["exact"] += 1
                 scores.append(0.0)
             else:
                 scores.append(float(extract(completion) == gold))
         return scores
 
+    @contextmanager
+    def count_failures():
+        counting.append(Counter())
+        try:
+            yield counting[-1]
+        finally:
+            counting.pop()
+
     module = types.ModuleType("relex.verifiers")
     module.get_verifier = lambda name: {"exact": exact}[name]
     module.extract_final_answer = extract
-    module.verifier_failures = lambda: dict(failures)
-    module.reset_verifier_failures = failures.clear
+    module.count_failures = count_failures
     monkeypatch.setitem(sys.modules, "relex.verifiers", module)
 
 

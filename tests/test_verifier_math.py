@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from relex.errors import RelexError
-from relex.verifiers import get_verifier, reset_verifier_failures, verifier_failures
+from relex.verifiers import count_failures, get_verifier
 from relex.verifiers.math_answer import too_costly_to_check
 
 DATA = Path(__file__).parent / "data"
@@ -33,10 +33,10 @@ DEFAULT_OPTIONS = {"match_types": ["latex", "expr"], "precision": 6, "strict": T
 
 
 @pytest.fixture(autouse=True)
-def clean_failure_counts():
-    reset_verifier_failures()
-    yield
-    reset_verifier_failures()
+def failures():
+    """The verifier failures counted during the test."""
+    with count_failures() as counted:
+        yield counted
 
 
 def score(completion, gold: str, **columns) -> float:
@@ -94,11 +94,11 @@ def expected_verdict(index: int, row: dict) -> float:
     return float(oracle_correct(row["completion"], row["gold"]))
 
 
-def test_math_verdicts_on_every_real_completion(smollm2_rows):
+def test_math_verdicts_on_every_real_completion(smollm2_rows, failures):
     assert len(smollm2_rows) == 544
     wrong = [(i, r["completion"][:80], r["math"]) for i, r in enumerate(smollm2_rows) if r["math"] != expected_verdict(i, r)]
     assert wrong == []
-    assert verifier_failures() == {}
+    assert failures == {}
 
 
 def test_math_scores_restated_questions_zero(smollm2_rows):
@@ -197,9 +197,9 @@ HACKS = [
 
 
 @pytest.mark.parametrize(("completion", "gold"), HACKS)
-def test_hack_attempts_score_zero(completion, gold):
+def test_hack_attempts_score_zero(completion, gold, failures):
     assert score(completion, gold) == 0.0
-    assert verifier_failures() == {}
+    assert failures == {}
 
 
 @pytest.mark.parametrize(
@@ -259,9 +259,9 @@ def test_hedging_pays_for_one_candidate_at_most(completion):
         ([{"role": "assistant", "content": "\\boxed{14}"}], "14", 1.0),
     ],
 )
-def test_math_table(completion, gold, expected):
+def test_math_table(completion, gold, expected, failures):
     assert score(completion, gold) == expected
-    assert verifier_failures() == {}
+    assert failures == {}
 
 
 @pytest.mark.parametrize(
@@ -305,16 +305,16 @@ def test_answers_too_costly_to_check(answer, too_costly):
     assert too_costly_to_check(answer) == too_costly
 
 
-def test_math_works_outside_the_main_thread():
+def test_math_works_outside_the_main_thread(failures):
     results = []
     worker = threading.Thread(target=lambda: results.append(score("\\boxed{\\frac{1}{2}}", "0.5")))
     worker.start()
     worker.join()
     assert results == [1.0]
-    assert verifier_failures() == {}
+    assert failures == {}
 
 
-def test_math_library_crash_scores_zero_and_is_counted(monkeypatch):
+def test_math_library_crash_scores_zero_and_is_counted(monkeypatch, failures):
     import math_verify
 
     def crash(*args, **kwargs):
@@ -322,7 +322,7 @@ def test_math_library_crash_scores_zero_and_is_counted(monkeypatch):
 
     monkeypatch.setattr(math_verify, "verify", crash)
     assert get_verifier("math")(["\\boxed{1}", "\\boxed{2}", "no answer"], answer=["1", "1", "1"]) == [0.0, 0.0, 0.0]
-    assert verifier_failures() == {"math": 2}
+    assert failures == {"math": 2}
 
 
 def test_unparsable_gold_is_an_error():

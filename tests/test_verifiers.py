@@ -15,19 +15,18 @@ from relex.tasks import encode_entry
 from relex.verifiers import (
     VERIFIERS,
     completion_text,
+    count_failures,
     extract_final_answer,
     format_reward,
     get_verifier,
-    reset_verifier_failures,
-    verifier_failures,
 )
 
 
 @pytest.fixture(autouse=True)
-def clean_failure_counts():
-    reset_verifier_failures()
-    yield
-    reset_verifier_failures()
+def failures():
+    """The verifier failures counted during the test."""
+    with count_failures() as counted:
+        yield counted
 
 
 def score(name: str, completion, **columns) -> float:
@@ -163,10 +162,19 @@ def test_reasoning_gym_unknown_dataset_is_an_error(chain_sum_entries):
         score("reasoning_gym", "\\boxed{3}", entry=chain_sum_entries[0], task="no_such_dataset")
 
 
-def test_reasoning_gym_scorer_crash_scores_zero_and_is_counted(chain_sum_entries):
+def test_reasoning_gym_scorer_crash_scores_zero_and_is_counted(chain_sum_entries, failures):
     broken = {k: v for k, v in chain_sum_entries[0].items() if k != "answer"}  # score_answer reads entry["answer"]
     assert score("reasoning_gym", "\\boxed{3}", entry=broken) == 0.0
-    assert verifier_failures() == {"reasoning_gym": 1}
+    assert failures == {"reasoning_gym": 1}
+
+
+def test_failure_counts_belong_to_the_block_that_counts_them(chain_sum_entries, failures):
+    """An evaluation during training counts its own failures without resetting the training log's count."""
+    broken = {k: v for k, v in chain_sum_entries[0].items() if k != "answer"}
+    with count_failures() as evaluation:
+        score("reasoning_gym", "\\boxed{3}", entry=broken)
+    score("reasoning_gym", "\\boxed{3}", entry=broken)
+    assert evaluation == {"reasoning_gym": 1} and failures == {"reasoning_gym": 2}
 
 
 # ---------------------------------------------------------------------------------------------------- numeric

@@ -275,12 +275,12 @@ def majority_correct(verdicts: list[Verdict]) -> bool:
 
 
 def _summarise(checkpoint, task, rows, greedy, sampled, seconds, settings: EvalSettings) -> CheckpointResult:
-    from relex.verifiers import reset_verifier_failures, verifier_failures
+    from relex.verifiers import count_failures
 
-    reset_verifier_failures()
-    greedy_verdicts = [group[0] for group in score(task, rows, greedy)]
-    sampled_verdicts = score(task, rows, sampled) if sampled is not None else None
-    failures = dict(verifier_failures())
+    with count_failures() as counted:
+        greedy_verdicts = [group[0] for group in score(task, rows, greedy)]
+        sampled_verdicts = score(task, rows, sampled) if sampled is not None else None
+    failures = dict(counted)
     correct = np.array([v.correct for v in greedy_verdicts], dtype=float)
     low, high = metrics.bootstrap_ci(correct, seed=settings.seed)
     tokens = np.array([v.completion.n_tokens for v in greedy_verdicts])

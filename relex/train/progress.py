@@ -20,11 +20,13 @@ import logging
 import resource
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 from transformers import TrainerCallback
 
 from relex.util import read_log
+from relex.verifiers.failures import count_failures
 
 LOG = logging.getLogger(__name__)
 
@@ -79,7 +81,8 @@ class StepLogger(TrainerCallback):
         self.lines: list[dict] = []
         self._bar = None
         self._last = None
-        self._failures: dict[str, int] = {}
+        self._failures = None  # count_failures() held open while training
+        self._counted = None  # its counts: the failures since the last line
 
     def on_train_begin(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
@@ -87,7 +90,9 @@ class StepLogger(TrainerCallback):
         kept = [line for line in read_log(self.path) if line["step"] <= state.global_step]
         self.path.write_text("".join(json.dumps(line) + "\n" for line in kept))
         self.lines = kept
-        self._failures = _verifier_failures()
+        self.close()  # a second train() call on the same logger starts counting afresh
+        self._failures = ExitStack()
+        self._counted = self._failures.enter_context(count_failures())
         self._last = time.perf_counter()
         if self.show_progress:
             from tqdm.auto import tqdm
@@ -129,6 +134,9 @@ class StepLogger(TrainerCallback):
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        if self._failures is not None:
+            self._failures.close()
+            self._failures = None
 
     def _recording(self, step: int) -> dict:
         timings = self.recorder.timings if self.recorder is not None else []
@@ -137,13 +145,8 @@ class StepLogger(TrainerCallback):
         return {"recorded": False, "record_seconds": 0.0}
 
     def _new_failures(self) -> dict[str, int]:
-        now = _verifier_failures()
-        new = {name: count - self._failures.get(name, 0) for name, count in now.items()}
-        self._failures = now
-        return {name: n for name, n in new.items() if n}
-
-
-def _verifier_failures() -> dict[str, int]:
-    from relex.verifiers import verifier_failures
-
-    return verifier_failures()
+        if self._failures is None:
+            return {}
+        new = dict(self._counted)
+        self._counted.clear()
+        return new

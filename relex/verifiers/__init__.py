@@ -11,17 +11,13 @@ that scores rollouts during training also scores checkpoints afterwards:
 Registered names: `math` (math-verify on the answer the completion commits to), `reasoning_gym` (the dataset's
 own `score_answer`), `numeric` (a number within tolerance), `json_schema` (JSON valid under a schema), `code`
 (Python that passes tests in a bubblewrap sandbox) and `format` (a non-empty `\\boxed{}`). A missing column raises
-`RelexError`; a completion that crashes a checking library scores 0.0 and is counted in `verifier_failures()`.
+`RelexError`; a completion that crashes a checking library scores 0.0 and is counted by `count_failures()`.
 """
 
 from relex.registry import Registry
 from relex.verifiers.answers import completion_text, extract_final_answer
 from relex.verifiers.code_exec import code_reward
-from relex.verifiers.failures import (
-    VERIFIER_FAILURES,
-    reset_verifier_failures,
-    verifier_failures,
-)
+from relex.verifiers.failures import count_failures
 from relex.verifiers.format import format_reward
 from relex.verifiers.math_answer import math_reward
 from relex.verifiers.numeric import numeric_reward
@@ -55,11 +51,9 @@ def get_verifier(name: str):
 
 __all__ = [
     "VERIFIERS",
-    "VERIFIER_FAILURES",
     "completion_text",
+    "count_failures",
     "extract_final_answer",
     "format_reward",
     "get_verifier",
-    "reset_verifier_failures",
-    "verifier_failures",
 ]
