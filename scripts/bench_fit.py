@@ -11,7 +11,19 @@ from the page cache (values already in RAM, where the floor is a memory copy and
 Each is repeated; medians, every run, their ratio, CPU time and peak RSS are printed, and whether each mode
 meets the goal on SmolLM2 shapes, T = 20: ratio ≤ 2.0 and peak RSS under 3 GiB while the trajectory is ~11 GB.
 
+`--layout verl` measures what a user with a finished run does instead (issue 14): the run is written as float32
+checkpoints in verl's layout (`global_step_N/actor/huggingface/`, relex.synthetic), and, from the page cache,
+  1. read: every byte of the run's checkpoint files and the base read once (the floor: what `cat` does);
+  2. `relex ingest` (referenced in place: names, shapes, dtypes and headers), and `relex ingest --verify` (every
+     value scanned for NaN/Inf) for comparison;
+  3. fit + extrapolate: `relex extrapolate` to two targets on that store (Gram pass + weighted sum).
+The ratio (ingest + fit + extrapolate) / read is formed from medians of the same benchmark run.
+
+Peak RSS is each phase's own: VmHWM of the phase's process, read by itself at its end. ru_maxrss (RUSAGE_SELF in
+the child, or os.wait4 on it) is not: Linux carries the forking parent's RSS over into it at exec.
+
     .venv/bin/python scripts/bench_fit.py --workdir /tmp/relex-bench [--steps 20] [--device cpu|cuda] [--repeats 3]
+    .venv/bin/python scripts/bench_fit.py --layout verl --workdir /tmp/relex-bench-verl --steps 6
 """
 
 from __future__ import annotations
@@ -36,10 +48,39 @@ SHAPES = {  # LlamaConfig fields of real models
 }
 
 
-def build(workdir: Path, shape: str, steps: int) -> Path:
+def write_base(workdir: Path, shape: str):
+    """A fresh `workdir` holding `base/`, random float32 weights of the shape's model; (name -> shape, generator)."""
     import torch
     from safetensors.torch import save_file
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shutil.rmtree(workdir, ignore_errors=True)
+    base = workdir / "base"
+    base.mkdir(parents=True)
+    config = LlamaConfig(**SHAPES[shape])
+    config.save_pretrained(base)
+    with torch.device("meta"):
+        names = {n: tuple(p.shape) for n, p in LlamaForCausalLM(config).named_parameters()}
+    gen = torch.Generator().manual_seed(0)
+    save_file({n: torch.randn(s, generator=gen) * 0.02 for n, s in names.items()}, str(base / "model.safetensors"), metadata={"format": "pt"})
+    return names, gen
+
+
+def build_verl_run(workdir: Path, shape: str, steps: int) -> Path:
+    """(once) `workdir/run`: float32 checkpoints at steps 2, 4, ..., 2T in verl's layout, a planted rank-1 path."""
+    from relex.synthetic import step_folder, write_planted_run
+
+    run = workdir / f"run-{shape}-T{steps}"
+    numbers = [2 * (i + 1) for i in range(steps)]
+    if all((step_folder(run, s, "verl") / "model.safetensors").is_file() for s in numbers):
+        return run
+    write_base(workdir, shape)
+    write_planted_run(workdir / "base", run, numbers, layout="verl")
+    return run
+
+
+def build(workdir: Path, shape: str, steps: int) -> Path:
+    import torch
 
     from relex.io.checkpoint import CheckpointReader
     from relex.store import TrajectoryStore
@@ -47,17 +88,8 @@ def build(workdir: Path, shape: str, steps: int) -> Path:
     store_dir = workdir / f"store-{shape}-T{steps}"
     if (store_dir / "manifest.json").is_file() and len(TrajectoryStore.open(store_dir).steps) == steps:
         return store_dir
-    shutil.rmtree(workdir, ignore_errors=True)
     base = workdir / "base"
-    base.mkdir(parents=True)
-    config = LlamaConfig(**SHAPES[shape])
-    config.save_pretrained(base)
-    with torch.device("meta"):
-        from transformers import LlamaForCausalLM
-
-        names = {n: tuple(p.shape) for n, p in LlamaForCausalLM(config).named_parameters()}
-    gen = torch.Generator().manual_seed(0)
-    save_file({n: torch.randn(s, generator=gen) * 0.02 for n, s in names.items()}, str(base / "model.safetensors"), metadata={"format": "pt"})
+    names, gen = write_base(workdir, shape)
     store = TrajectoryStore.create(store_dir, base_dir=base, tensors=CheckpointReader(base).infos(), created_by={"command": "bench_fit"})
     directions = {}
     for step in range(1, steps + 1):
@@ -97,6 +129,37 @@ def phase_extrapolate(store_dir: str, out: str, device: str, io: str) -> dict:
     return {"seconds": time.perf_counter() - started}
 
 
+def phase_read_files(*folders: str) -> dict:
+    """Every byte of the safetensors files under `folders` read once into one reused buffer (what `cat` does)."""
+    buffer, total = bytearray(16 << 20), 0
+    started = time.perf_counter()
+    for path in sorted(p for folder in folders for p in Path(folder).rglob("*.safetensors")):
+        with open(path, "rb", buffering=0) as file:
+            while n := file.readinto(buffer):
+                total += n
+    return {"seconds": time.perf_counter() - started, "bytes": total}
+
+
+def phase_ingest(run: str, base: str, store: str, verify: str) -> dict:
+    from relex.ingest import ingest
+
+    started = time.perf_counter()
+    ingest([run], base, store, overwrite=True, verify=verify == "verify")
+    return {"seconds": time.perf_counter() - started}
+
+
+PHASES = {"read": phase_read, "extrapolate": phase_extrapolate, "read-files": phase_read_files, "ingest": phase_ingest}
+
+
+def peak_rss_gib() -> float:
+    """This process's own peak RSS: VmHWM of its address space (ru_maxrss includes the parent's RSS at fork)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) / 2**20
+    except (OSError, StopIteration):  # not Linux: ru_maxrss, an upper bound
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def run_phase(*args: str) -> dict:
     out = subprocess.run([sys.executable, __file__, "--phase", *args], check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -121,14 +184,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each phase; medians are reported")
+    parser.add_argument("--layout", default="store", choices=["store", "verl"],
+                        help="store: copied float32 deltas (default); verl: a run of checkpoints, ingested in place")
     parser.add_argument("--phase", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.phase:
         kind, *rest = args.phase
-        result = phase_read(rest[0], rest[1]) if kind == "read" else phase_extrapolate(*rest)
+        result = PHASES[kind](*rest)
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        result.update(peak_rss_gib=usage.ru_maxrss / 2**20, user_s=usage.ru_utime, sys_s=usage.ru_stime)
+        result.update(peak_rss_gib=peak_rss_gib(), user_s=usage.ru_utime, sys_s=usage.ru_stime)
         print(json.dumps(result))
+        return
+    if args.layout == "verl":
+        bench_verl(args)
         return
     workdir = Path(args.workdir)
     store_dir = build(workdir, args.shape, args.steps)
@@ -175,6 +243,52 @@ def main() -> None:
               f"peak RSS < {GOAL_RSS_GIB} GiB): {'met' if met else 'not met'}")
     if not hasattr(os, "posix_fadvise"):
         print("\nthis OS has no posix_fadvise: the page cache could not be dropped, so only warm reads were measured")
+
+
+def bench_verl(args) -> None:
+    """Ingest + fit + extrapolate on a verl-layout run against one read of its files, all from the page cache."""
+    workdir = Path(args.workdir)
+    run = build_verl_run(workdir, args.shape, args.steps)
+    base, store, out = workdir / "base", workdir / "store", workdir / "out"
+    size = sum(p.stat().st_size for folder in (run, base) for p in folder.rglob("*.safetensors"))
+    phases = {
+        "read every byte of the run and the base once": ("read-files", str(run), str(base)),
+        "relex ingest (headers: names, shapes, dtypes, sizes)": ("ingest", str(run), str(base), str(store), "headers"),
+        "relex ingest --verify (every value scanned)": ("ingest", str(run), str(base), str(store), "verify"),
+        "fit + extrapolate to two targets": ("extrapolate", str(store), str(out), args.device, "cached"),
+    }
+    runs: dict[str, list[dict]] = {label: [] for label in phases}
+    run_phase("read-files", str(run), str(base))  # untimed: puts the files in the page cache
+    resident = _resident_bytes(run, base)
+    for _ in range(args.repeats):
+        for label, phase in phases.items():
+            shutil.rmtree(out, ignore_errors=True)  # removing an earlier output is not part of the work
+            runs[label].append(run_phase(*phase))
+    print(f"run: verl layout, {args.shape} shapes, T={args.steps} float32 checkpoints + base, {size / 1e9:.2f} GB; "
+          f"{'unknown' if resident is None else f'{resident / size:.0%}'} of it in the page cache after the warm-up read; "
+          f"device {args.device}; median of {args.repeats} runs each, each phase in its own process")
+    medians = {}
+    for label, results in runs.items():
+        seconds = sorted(r["seconds"] for r in results)
+        medians[label] = median(seconds)
+        cpu = "user {:.1f} + sys {:.1f} s".format(*(median(r[c] for r in results) for c in ("user_s", "sys_s")))
+        rss = max(r["peak_rss_gib"] for r in results)
+        print(f"  {label:<55} {medians[label]:7.2f} s   peak RSS {rss:.2f} GiB  CPU {cpu}  (runs: {_runs(seconds)})")
+    read, ingest, verify, fit = medians.values()
+    print(f"  ratio (ingest + fit + extrapolate) / read:              {(ingest + fit) / read:7.2f}   (goal <= 4)")
+    print(f"  ratio (ingest --verify + fit + extrapolate) / read:     {(verify + fit) / read:7.2f}")
+    print(f"  ingest --verify / ingest:                               {verify / ingest:7.2f}")
+
+
+def _resident_bytes(*folders: Path) -> int | None:
+    """Bytes of the folders' safetensors files in the page cache (util-linux `fincore`), or None without it."""
+    files = [str(p) for folder in folders for p in folder.rglob("*.safetensors")]
+    try:
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *files],
+                             check=True, capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return sum(int(line) for line in out.split())
 
 
 def _runs(seconds: list[float]) -> str:
