@@ -44,6 +44,7 @@ from relex.io.hub import (
 )
 from relex.io.verl_shards import open_checkpoint, shard_files
 from relex.store import MANIFEST_NAME, MAX_STEP, TrajectoryStore, is_store
+from relex.util import comma_list, most_common_float_dtype
 
 LOG = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ def check_steps(steps: list[int]) -> None:
 def parse_steps(text: str | None) -> list[int] | None:
     if text is None:
         return None
-    parts = [part.strip() for part in text.split(",") if part.strip()]
+    parts = comma_list(text)
     if not all(part.isascii() and part.isdigit() for part in parts):
         raise RelexError(f"cannot read --steps {text!r}; give step numbers like 10,20,40")
     return [step_number(part, "--steps") for part in parts]
@@ -301,7 +302,7 @@ def _store_lock_if_store(out: Path):
 def _record(store: TrajectoryStore, base_reader: CheckpointReader, readers: list, copy: bool, stored_dtype) -> None:
     todo = [(c, r, i) for c, r, i in readers if c.step not in store.steps]
     for checkpoint, reader, infos in tqdm(todo, desc="ingest: recording", unit="step", leave=False, disable=None):
-        source_dtype = _dominant_dtype(infos)
+        source_dtype = most_common_float_dtype(info.dtype for info in infos.values())
         if copy:
             entry = store.append_deltas(checkpoint.step, _delta_reader(base_reader, reader), stored_dtype, source_dtype)
         else:
@@ -356,8 +357,3 @@ def repoint_store(paths: list[str | Path], base: str, out: Path, steps: list[int
 
 def _delta_reader(base: CheckpointReader, reader: CheckpointReader):
     return lambda name: reader.read(name).float() - base.read(name).float()
-
-
-def _dominant_dtype(infos: dict[str, TensorInfo]) -> torch.dtype:
-    floats = [info.dtype for info in infos.values() if info.is_float]
-    return max(set(floats), key=floats.count)

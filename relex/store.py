@@ -45,6 +45,7 @@ from relex.io.checkpoint import CheckpointReader, TensorInfo
 from relex.io.dtypes import SAFETENSORS_TO_TORCH, dtype_name, from_name
 from relex.io.stream_writer import StreamingSafetensorsWriter
 from relex.io.verl_shards import open_checkpoint
+from relex.util import is_int, is_positive_int
 
 LOG = logging.getLogger(__name__)
 
@@ -79,7 +80,21 @@ def store_reference(folder: str | Path, store_dir: str | Path) -> str:
 
 
 class TrajectoryStore:
-    """Open with `TrajectoryStore.open(path)`; make with `TrajectoryStore.create(...)`."""
+    """A run's base checkpoint and its deltas θ_s − θ₀ at the recorded steps (the folder is described above).
+
+    Open one with `TrajectoryStore.open(path)`; `DeltaRecorder` and `relex ingest` make them
+    (`TrajectoryStore.create(...)` then `append_deltas` / `append_checkpoint`).
+
+    Args:
+        path: the store's folder.
+        manifest: its parsed manifest.json (`open` reads and checks it).
+
+    Example:
+        store = TrajectoryStore.open("runs/demo/trajectory")
+        store.steps                 # [2, 4, …, 30]: the real optimizer steps recorded
+        store.trajectory_names      # the tensors with a trajectory (tied aliases once)
+        deltas = store.reader([2, 4]).read("model.layers.0.mlp.up_proj.weight")   # float32, (2, numel)
+    """
 
     def __init__(self, path: Path, manifest: dict):
         self.path = Path(path)
@@ -243,7 +258,7 @@ class TrajectoryStore:
 
     # ---- appending ----------------------------------------------------------------------------------------------
     def _check_new_step(self, step: int) -> None:
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 < step <= MAX_STEP:
+        if not is_positive_int(step) or step > MAX_STEP:
             raise RelexError(f"{self.path}: step {step!r} must be a positive integer (the base is step 0)")
         if step in self.steps:
             raise RelexError(f"{self.path}: step {step} is already recorded; refusing to record it twice")
@@ -381,10 +396,6 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _manifest_problem(m) -> str | None:
     if not isinstance(m, dict):
         return f"a JSON {type(m).__name__}, not an object"
@@ -397,7 +408,7 @@ def _manifest_problem(m) -> str | None:
     if not isinstance(tensors, dict):
         return "tensors must be an object"
     for name, t in tensors.items():
-        if not isinstance(t, dict) or not isinstance(t.get("shape"), list) or not all(_is_int(d) and d >= 0 for d in t["shape"]):
+        if not isinstance(t, dict) or not isinstance(t.get("shape"), list) or not all(is_int(d) and d >= 0 for d in t["shape"]):
             return f"tensor {name}: shape must be a list of non-negative integers"
         if t.get("dtype") not in _DTYPES:
             return f"tensor {name}: unknown dtype {t.get('dtype')!r}"
@@ -420,7 +431,7 @@ def _steps_problem(steps, pending) -> str | None:
         if not isinstance(raw, dict) or not set(_ENTRY_REQUIRED) <= set(raw) or not set(raw) <= _ENTRY_FIELDS:
             return f"step entry {str(raw)[:80]}: needs {', '.join(_ENTRY_REQUIRED)} and nothing unknown"
         step = raw["step"]
-        if not _is_int(step) or not 0 < step <= MAX_STEP:
+        if not is_int(step) or not 0 < step <= MAX_STEP:
             return f"step {step!r}: steps are positive integers"
         if step <= previous:
             return f"step {step} after step {previous}: steps must increase, each once"
@@ -436,7 +447,7 @@ def _steps_problem(steps, pending) -> str | None:
         error = raw.get("quantization_error")
         if error is not None and (not isinstance(error, (int, float)) or isinstance(error, bool) or not math.isfinite(error) or error < 0):
             return f"step {step}: quantization_error {error!r} is not a number ≥ 0"
-    if not isinstance(pending, list) or not all(_is_int(s) and 0 < s <= MAX_STEP for s in pending):
+    if not isinstance(pending, list) or not all(is_int(s) and 0 < s <= MAX_STEP for s in pending):
         return "pending must be a list of positive step numbers"
     return None
 

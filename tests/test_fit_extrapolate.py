@@ -110,6 +110,8 @@ def test_baselines_equal_independent_formulas(planted, store, tmp_path):
     got = load_file(str(tmp_path / "tp2" / "step-50" / "model.safetensors"))[name].double().reshape(-1)
     alpha = (50 - 4) / (13 - 4)
     torch.testing.assert_close(got, theta0 + m[1] + alpha * (m[-1] - m[1]), rtol=1e-5, atol=1e-6)
+    provenance = json.loads((tmp_path / "tp2" / "step-50" / "relex.json").read_text())
+    assert provenance["anchors"] == [4, 13]  # the method's own anchors; a method without them records null
     # per-parameter least squares
     extrapolate_store(store, tmp_path / "pp", ExtrapolateConfig(targets=[50], method="per-param", fit=fit))
     got = load_file(str(tmp_path / "pp" / "step-50" / "model.safetensors"))[name].double().reshape(-1)
@@ -178,7 +180,7 @@ def test_zero_and_frozen_tensors_keep_base_values(tiny_base, tmp_path):
     out = load_file(str(tmp_path / "o" / "step-10" / "model.safetensors"))
     assert torch.equal(out[frozen], theta0[frozen])
     summary = json.loads((tmp_path / "o" / "step-10" / "relex.json").read_text())
-    assert summary["fit_summary"]["tensors"] == len(theta0)
+    assert summary["fit_summary"]["tensors"] == len(theta0) and summary["anchors"] is None  # relex draws no line through anchors
 
 
 @pytest.mark.parametrize("method", ["reconstruct", "observed"])

@@ -38,7 +38,6 @@ from relex.fit.fit import (
     FitConfig,
     FitResult,
     fit_from_grams,
-    module_type,
     observed_steps,
     validate,
     window_indices,
@@ -50,6 +49,7 @@ from relex.io.checkpoint import CheckpointReader, TensorInfo, read_config
 from relex.io.dtypes import dtype_name, parse_dtype
 from relex.io.hf_folder import HFFolderWriter, model_order, parse_size
 from relex.store import Block, TrajectoryStore
+from relex.util import comma_list, module_type, most_common_float_dtype
 
 LOG = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class TargetReport:
 
 def parse_targets(text: str) -> list[int]:
     try:
-        targets = [int(part) for part in str(text).split(",") if part.strip()]
+        targets = [int(part) for part in comma_list(str(text))]
     except ValueError:
         raise RelexError(f"cannot read targets {text!r}; give step numbers like 100,200,500") from None
     if not targets or any(t <= 0 for t in targets):
@@ -256,6 +256,23 @@ def extrapolate_store(store: TrajectoryStore, out_dir: str | Path, config: Extra
     The whole of `out_dir` (every step folder and `fit/`) is written under a temporary name and replaces an
     old one only when complete, with `out_dir`'s lock held (relex.io.atomic); `--overwrite` never replaces an
     input (the store, its base or checkpoints, the fit).
+
+    Args:
+        store: an open trajectory store.
+        out_dir: the folder to write: `OUT/step-S/` per target (loads with `from_pretrained`) and `OUT/fit/`.
+        config: the targets, the method (`relex`, `relex-anchored`, `two-point`, …), output dtype, shard size,
+            `scale` (λ) and `keep` patterns; `config.fit` is the fit's recipe when `fit` is not given.
+        fit: a saved fit (`FitResult.load`) to reuse instead of fitting again.
+
+    Returns:
+        One `TargetReport` per target: its folder, horizon ratio (target / last observed step), whether it is an
+        interpolation, ‖Δ̂‖ and the part of it the output dtype loses.
+
+    Example:
+        from relex.extrapolate import ExtrapolateConfig, extrapolate_store
+        reports = extrapolate_store(store, "runs/demo/extrapolated", ExtrapolateConfig(targets=[30, 60]),
+                                    FitResult.load("runs/demo/fit"))
+        [(r.target, r.horizon_ratio, r.path) for r in reports]
     """
     out_dir = Path(out_dir)
     inputs = extrapolation_inputs(store, fit)
@@ -346,8 +363,11 @@ def check_finite(name: str, values: torch.Tensor, target: int) -> None:
 
 def _config_dtype(state: _Pass) -> torch.dtype | None:
     """The dtype config.json should state: the base's most common float dtype."""
-    floats = [info.dtype for _, info in state.layout if info.is_float]
-    return max(set(floats), key=floats.count) if floats else None
+    return most_common_float_dtype(info.dtype for _, info in state.layout)
+
+
+def _listed(steps: tuple[int, ...] | None) -> list[int] | None:
+    return list(steps) if steps is not None else None
 
 
 def _provenance(state: _Pass, report: TargetReport, fit: FitResult | None) -> dict:
@@ -362,7 +382,7 @@ def _provenance(state: _Pass, report: TargetReport, fit: FitResult | None) -> di
         "temporal": state.fit_config.temporal_model().describe() if state.method.needs_fit else None,
         "window_steps": state.plan.window_steps.tolist(),
         "observed_steps": state.plan.steps.tolist(),
-        "anchors": list(state.method.anchors(state.plan)) if hasattr(state.method, "anchors") else None,
+        "anchors": _listed(state.method.anchors(state.plan)),
         "scale": state.scale,
         "kept": sorted(state.kept),
         "fit_summary": fit.summary() if fit is not None and state.method.needs_fit else None,

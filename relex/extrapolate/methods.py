@@ -52,6 +52,10 @@ class Method:
     needs_fit = False  # needs the rank-r fit (the Gram pass)
     extrapolates = True  # targets past the window are extrapolation; inside it, interpolation
 
+    def anchors(self, plan: Plan) -> tuple[int, int] | None:
+        """The two steps the method draws its line through (two-point), or None."""
+        return None
+
     def check(self, plan: Plan, targets: list[int]) -> None:
         """Raise for targets or options this method cannot serve (before any data is read)."""
 

@@ -1,4 +1,4 @@
-"""The Gram matrix G = M Mᵀ of a tensor's trajectory (T × T), accumulated over row blocks (METHOD.md).
+"""The Gram matrix G = M Mᵀ of a tensor's trajectory (T × T), accumulated over row blocks (docs/method.md).
 
 G is a sum over any split of the d columns of M, so one block of T × rows values is in memory at a time, on
 the chosen device; a block of a few MiB is still in the CPU cache when its product is formed. Each block's
