@@ -1,5 +1,7 @@
 """`relex accelerate --config FILE --out RUN`: GRPO segments alternating with guarded jumps; flags override the file."""
 
+from relex.util import comma_list
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("--config", metavar="FILE", help="YAML train config with an optional `accelerate:` section (e.g. configs/tiny.yaml); with --resume, default RUN/config.yaml")
@@ -26,7 +28,7 @@ def _list(text, cast, flag):
     if text is None:
         return None
     try:
-        values = [cast(part.strip()) for part in text.split(",") if part.strip()]
+        values = [cast(part) for part in comma_list(text)]
     except ValueError:
         raise RelexError(f"{flag} {text!r}: give comma-separated values like 1.5,2,3") from None
     if not values:
