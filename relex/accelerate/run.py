@@ -27,7 +27,26 @@ def accelerate_config(config: TrainConfig, **overrides) -> AccelerateConfig:
 
 def run_accelerate(config: TrainConfig, accelerate: AccelerateConfig | None = None, *, resume: bool = False,
                    show_progress: bool = True, scorer=None) -> Path:
-    """Train with jumps; returns the run folder. `scorer` replaces the validation scorer (tests inject one)."""
+    """GRPO segments alternating with guarded jumps (relex.accelerate.loop), under a lock on the run folder.
+
+    Args:
+        config: a train config (`relex.train.load_config`); its `grpo.max_steps` is the GRPO budget.
+        accelerate: the loop's settings; default: the config's `accelerate:` section.
+        resume: continue the run in `config.out` from its last checkpoint (needs `record.resumable: true`).
+        show_progress: draw a progress bar (only on a terminal).
+        scorer: replaces the validation scorer, `(model, tokenizer, states, restore) -> {name: [0/1 per problem]}`
+            (tests inject one).
+
+    Returns:
+        The run folder: log.jsonl, jumps.jsonl, segments/, jumps/, final/, accelerate-summary.json.
+
+    Example:
+        >>> from relex.accelerate import run_accelerate
+        >>> from relex.train import load_config
+        >>> run = run_accelerate(load_config("configs/tiny.yaml", out="runs/tiny-accel"))  # doctest: +SKIP
+        >>> (run / "jumps.jsonl").is_file()  # doctest: +SKIP
+        True
+    """
     accelerate = accelerate or accelerate_config(config)
     config.accelerate = accelerate.to_dict()  # the run's config.yaml states what the loop used
     run_dir = Path(config.out) if config.out else Path("runs") / f"accelerate-{time.strftime('%Y%m%d-%H%M%S')}"
