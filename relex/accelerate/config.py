@@ -9,8 +9,8 @@
       keep: []                    # module types copied from the segment's last step (e.g. ['*norm.weight'])
       validation_size: 64         # problems, disjoint from the train and test problems
       margin: 0.05                # a jump may not be credibly worse than the current weights by more than this
-      min_gain: 0.0               # ... and must score at least this much above them on the validation problems
-      optimizer: keep             # reset (RL-Extra), keep, or rescale (see relex.accelerate.optimizer)
+      min_gain: 0.01              # ... and must score at least this much above them (1 problem in 64 is 0.016)
+      optimizer: reset            # reset (RL-Extra), keep, or rescale (see relex.accelerate.optimizer)
       warning: {enabled: true, reward_window: 8, min_reward_slope: 0.0, min_r2: 0.5, min_explained_variance: 0.5, min_cosine: 0.0}
       jump: true                  # false: the same loop and validation, never jumping (the plain control run)
 
@@ -63,8 +63,10 @@ class AccelerateConfig:
     keep: list[str] = field(default_factory=list)
     validation_size: int = 64
     margin: float = 0.05
-    min_gain: float = 0.0
-    optimizer: str = "keep"
+    # the study (analysis/README.md, section 5): a jump whose validation score equalled the current weights' cost
+    # 0.040 [0.003, 0.077] held-out accuracy, and resetting the optimizer after a jump ended 0.043 above keeping it
+    min_gain: float = 0.01
+    optimizer: str = "reset"
     warning: WarningConfig = field(default_factory=WarningConfig)
     jump: bool = True
     keep_candidates: bool = False  # keep every candidate folder (default: only their scores)
