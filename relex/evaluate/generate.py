@@ -84,7 +84,10 @@ class TransformersGenerator:
             dtype = "auto" if self.device == "cuda" else torch.float32
             self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
         except (OSError, ValueError) as error:
-            raise RelexError(f"checkpoint {model_path}: cannot load its tokenizer or model ({error})") from None
+            from relex.models import hub_failure
+
+            offline = hub_failure(error, model_path)  # a hub id with no network: say so in one line
+            raise RelexError(offline or f"checkpoint {model_path}: cannot load its tokenizer or model ({error})") from None
         if self.tokenizer.chat_template is None:
             raise RelexError(f"checkpoint {model_path}: its tokenizer has no chat template to render prompts with")
         if self.tokenizer.pad_token is None:
