@@ -21,17 +21,13 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
 from relex.errors import RelexError
-
-try:  # file locks are POSIX-only; elsewhere concurrent first conversions are simply not guarded
-    import fcntl
-except ImportError:  # pragma: no cover
-    fcntl = None
+from relex.io.atomic import WriteFailed, atomic_output, write_lock
 
 LOG = logging.getLogger(__name__)
 
@@ -63,41 +59,25 @@ def cache_dir() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "relex"
 
 
+_CONVERSION_GUARD = threading.Lock()  # write_lock is re-entrant within a process: threads queue here first
+
+
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on `path` (created if needed) so that only one process converts at a time."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        if fcntl is not None:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
+def _conversion_lock(final: Path, poll_s: float = 0.5) -> Iterator[None]:
+    """Hold `final`'s write lock, waiting for another thread or process that converts it: one converter at a time."""
+    with _CONVERSION_GUARD:
+        while True:
+            stack = contextlib.ExitStack()
+            try:
+                stack.enter_context(write_lock(final))
+            except WriteFailed:
+                raise
+            except RelexError:  # another process holds it: wait for it to finish
+                time.sleep(poll_s)
+                continue
+            break
+        with stack:
             yield
-        finally:
-            if fcntl is not None:
-                fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-@contextlib.contextmanager
-def _atomic_folder(final: Path) -> Iterator[Path]:
-    """Yield a temporary sibling of `final` to fill; rename it to `final` only if the block completes."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    if final.exists() and (not final.is_dir() or any(final.iterdir())):
-        raise RelexError(f"{final}: already exists and is not empty")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary folder
-    try:
-        yield tmp
-        os.replace(tmp, final)  # atomic; may replace an empty folder
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _remove_stale_tmp_folders(final: Path) -> None:
-    """Delete leftovers of crashed conversions; call only while holding the conversion lock."""
-    for stale in final.parent.glob(f".{final.name}.tmp-*"):
-        LOG.info("removing %s, left by an interrupted conversion", stale)
-        shutil.rmtree(stale, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------ the embedded model
@@ -108,12 +88,11 @@ def embedded_model_dir() -> Path:
     final = cache_dir() / "models" / EMBEDDED_MODEL
     if (final / "config.json").is_file():
         return final
-    with _file_lock(final.parent / f".{EMBEDDED_MODEL}.lock"):
+    with _conversion_lock(final):
         if (final / "config.json").is_file():  # another process converted it while we waited
             return final
-        _remove_stale_tmp_folders(final)
         LOG.info("converting the embedded %s from GGUF to %s (once, about half a minute)", EMBEDDED_MODEL, final)
-        with _atomic_folder(final) as tmp:
+        with atomic_output(final) as tmp:  # removes the leftovers of interrupted conversions first
             convert_gguf(embedded_gguf_path(), tmp)
     LOG.info("embedded model ready at %s", final)
     return final
@@ -335,7 +314,7 @@ def make_tiny_llama(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     )
     out_dir = Path(out_dir)
-    with _atomic_folder(out_dir) as tmp:
+    with atomic_output(out_dir) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     return out_dir

@@ -145,7 +145,7 @@ def test_a_crashed_conversion_leaves_no_folder(fake_conversion, tmp_path):
     with pytest.raises(OSError, match="disk full"):
         embedded_model_dir()
     models_dir = tmp_path / "cache" / "models"
-    assert sorted(p.name for p in models_dir.iterdir()) == [f".{EMBEDDED_MODEL}.lock"]
+    assert list(models_dir.iterdir()) == []  # no partial folder, and the released lock is removed
     assert (embedded_model_dir() / "config.json").is_file() and len(runs) == 2
 
 
@@ -172,3 +172,12 @@ def test_embedded_model_converts_loads_and_generates(tmp_path, monkeypatch):
     reply = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     print(f"SmolLM2 reply: {reply!r}")
     assert reply.strip()
+
+
+def test_a_killed_conversions_leftover_is_removed(fake_conversion, tmp_path):
+    models_dir = tmp_path / "cache" / "models"
+    leftover = models_dir / f".{EMBEDDED_MODEL}.tmp-999999999-abcdef"
+    leftover.mkdir(parents=True)
+    (leftover / "half.bin").write_text("x")
+    assert (embedded_model_dir() / "config.json").is_file()
+    assert sorted(p.name for p in models_dir.iterdir()) == [EMBEDDED_MODEL]
