@@ -435,3 +435,14 @@ def test_vllm_backend_through_a_stand_in(monkeypatch, planted_verifiers):
     assert [(p.n, p.temperature, p.max_tokens, p.top_p) for p in seen["params"]] == [(1, 0.0, 7, 1.0), (2, 0.5, 7, 1.0)]
     assert checkpoint.mean_tokens == 1.0  # the eos is not counted
 
+
+
+@pytest.mark.parametrize("where", ["is", "contains", "lies inside"])
+def test_overwrite_refuses_an_output_that_is_contains_or_lies_inside_a_checkpoint(tiny_models, capsys, where):
+    base, store = tiny_models["base"], tiny_models["store"]
+    before = {p: p.read_bytes() for folder in (base, store) for p in sorted(folder.rglob("*")) if p.is_file()}
+    out = {"is": base, "contains": base.parent, "lies inside": store / "eval"}[where]
+    err = run_eval(capsys, str(base), f"{store}@10", *CHAIN_SUM, "--n", "2", "--out", str(out), "--overwrite")
+    assert f"{where} the input" in err and str(out) in err
+    after = {p: p.read_bytes() for folder in (base, store) for p in sorted(folder.rglob("*")) if p.is_file()}
+    assert after == before and not (store / "eval").exists()

@@ -88,3 +88,38 @@ def model_folder(ref: CheckpointRef) -> Iterator[str]:
         yield str(materialize_step(ref.store, ref.step, scratch / f"step-{ref.step}"))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def checkpoint_inputs(texts) -> list[Path]:
+    """The local folders the checkpoints `texts` read (model folders, stores and their bases, the embedded model's
+    cache folder), found without loading anything: `--overwrite` must never replace one of them."""
+    from relex.models import EMBEDDED_ALIASES, EMBEDDED_MODEL, cache_dir
+
+    found: list[Path] = []
+    for text in texts:
+        text = str(text)
+        if text.startswith("logits("):
+            from relex.evaluate.logits import parse_logits_spec
+
+            try:
+                spec = parse_logits_spec(text)
+            except RelexError:
+                continue  # refused with its own message when parsed
+            found += checkpoint_inputs([spec.a, spec.b])
+            continue
+        if text in EMBEDDED_ALIASES:
+            found.append(cache_dir() / "models" / EMBEDDED_MODEL)
+            continue
+        path = Path(text).expanduser()
+        folder, at, step = text.rpartition("@")
+        if not path.exists() and at and step.isdigit():
+            path = Path(folder).expanduser()
+            try:
+                from relex.store import TrajectoryStore
+
+                found.append(Path(TrajectoryStore.open(path).base_dir))
+            except (RelexError, OSError, ValueError):
+                pass  # not a store: refused with its own message when parsed
+        if path.exists():
+            found.append(path)
+    return found

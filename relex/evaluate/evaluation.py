@@ -158,6 +158,7 @@ def evaluate(
         result = evaluate(["runs/demo/extrapolated/step-60", "runs/demo/trajectory@30"],
                           {"source": "reasoning_gym", "name": "chain_sum"}, n=100, out_dir="runs/demo/eval")
     """
+    from relex.evaluate.checkpoints import checkpoint_inputs
     from relex.evaluate.report import check_out_dir, write_outputs
 
     settings = EvalSettings(n, samples, temperature, seed, backend, batch_size, max_new_tokens)
@@ -165,7 +166,8 @@ def evaluate(
     if not checkpoints:
         raise RelexError("no checkpoint to evaluate")
     if out_dir is not None:
-        check_out_dir(Path(out_dir), overwrite)
+        inputs = checkpoint_inputs(checkpoints)  # --overwrite never replaces a checkpoint it evaluates
+        check_out_dir(Path(out_dir), overwrite, inputs)
     task, description = loaded_task(task)
     rows = task.rows(EVAL_SPLIT, n)  # refuses a task without a held-out split, or n larger than it
     if generator_factory is None:
@@ -174,7 +176,7 @@ def evaluate(
     _compare_with_first(results, settings.seed)
     result = EvalResult(task=description, settings=settings, checkpoints=results)
     if out_dir is not None:
-        result.out_dir = write_outputs(result, Path(out_dir), overwrite)
+        result.out_dir = write_outputs(result, Path(out_dir), overwrite, inputs)
     return result
 
 
