@@ -15,18 +15,21 @@ and is refused, naming the task.
     OUT/checkpoints/step-S/    one Hugging Face folder per target
     OUT/validation/            relex eval's summary.json and completions.jsonl on the validation problems
     OUT/sweep.json             the recommendation, with every target's accuracy and the paired comparisons
+
+OUT is written through relex.io.atomic: complete under a temporary name beside it, then renamed into place, so an
+interrupted sweep leaves the old OUT intact; `--overwrite` refuses an OUT that is, contains or lies in the store.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from relex.errors import RelexError
 from relex.fit import FitConfig
+from relex.io.atomic import atomic_output, check_output, write_json_atomic
 from relex.tasks.spec import as_task_spec
 
 LOG = logging.getLogger(__name__)
@@ -146,29 +149,36 @@ def check_config(config: SweepConfig) -> None:
 def sweep(store_dir: str | Path, out_dir: str | Path, config: SweepConfig, generator_factory=None) -> SweepResult:
     """Extrapolate to every target, evaluate each on validation problems, and recommend one."""
     from relex.evaluate import evaluate
+    from relex.evaluate.report import write_outputs
     from relex.fit.fit import observed_steps
     from relex.store import TrajectoryStore
 
     check_config(config)
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not config.overwrite:
-        raise RelexError(f"{out_dir}: exists and is not empty; choose another --out or pass --overwrite")
     store = TrajectoryStore.open(store_dir)
+    inputs = [store.path, store.base_dir]  # --overwrite never replaces the store or its base
+    check_output(out_dir, overwrite=config.overwrite, inputs=inputs)
     task = validation_task(config.task, config.n)  # before the extrapolation, so a bad task fails in seconds
-    reports = write_checkpoints(store, out_dir, config)
-    last_step = observed_steps(store, config.fit.observe_until)[-1]
-    checkpoints = [str(store.base_dir), f"{store.path}@{last_step}", *(str(r.path) for r in reports)]
-    evaluation = evaluate(
-        checkpoints, task, n=config.n, seed=config.seed, out_dir=out_dir / "validation", overwrite=True,
-        max_new_tokens=config.max_new_tokens, batch_size=config.batch_size, generator_factory=generator_factory,
-    )
-    base, last, *targets = evaluation.checkpoints
-    best_index = max(range(len(targets)), key=lambda i: (targets[i].accuracy, -config.targets[i]))
-    best = targets[best_index]
-    result = SweepResult(
-        out_dir, config.targets[best_index], _accuracy(best), compare(best, base, config.seed), compare(best, last, config.seed),
-        last_step, {t: _accuracy(r) for t, r in zip(config.targets, targets)}, {"base": _accuracy(base), "last observed": _accuracy(last)},
-    )
-    (out_dir / "sweep.json").write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+    # everything is written under a temporary name beside OUT; an interrupted sweep leaves the old OUT intact
+    with atomic_output(out_dir, overwrite=config.overwrite, inputs=inputs) as tmp:
+        reports = write_checkpoints(store, tmp, config)
+        last_step = observed_steps(store, config.fit.observe_until)[-1]
+        checkpoints = [str(store.base_dir), f"{store.path}@{last_step}", *(str(r.path) for r in reports)]
+        evaluation = evaluate(
+            checkpoints, task, n=config.n, seed=config.seed,
+            max_new_tokens=config.max_new_tokens, batch_size=config.batch_size, generator_factory=generator_factory,
+        )
+        for checkpoint, report in zip(evaluation.checkpoints[2:], reports):  # named where they will be, not in tmp
+            checkpoint.checkpoint = str(out_dir / Path(report.path).relative_to(tmp))
+        evaluation.out_dir = out_dir / "validation"
+        write_outputs(evaluation, tmp / "validation", False)
+        base, last, *targets = evaluation.checkpoints
+        best_index = max(range(len(targets)), key=lambda i: (targets[i].accuracy, -config.targets[i]))
+        best = targets[best_index]
+        result = SweepResult(
+            out_dir, config.targets[best_index], _accuracy(best), compare(best, base, config.seed), compare(best, last, config.seed),
+            last_step, {t: _accuracy(r) for t, r in zip(config.targets, targets)}, {"base": _accuracy(base), "last observed": _accuracy(last)},
+        )
+        write_json_atomic(tmp / "sweep.json", result.to_dict())
     LOG.info(result.verdict())
     return result

@@ -253,3 +253,27 @@ def test_sweep_recommends_the_best_target_and_says_when_it_is_not_significant(ru
     config.overwrite = True
     result = sweep(run / "trajectory", tmp_path / "sweep", config, generator_factory=factory)
     assert result.best_target == 20 and "NOT significantly better than the base or the last observed step 13" in result.verdict()
+
+
+def test_an_interrupted_sweep_leaves_the_old_output_and_overwrite_spares_the_store(run_parts, tmp_path):
+    from relex.errors import RelexError
+    from relex.fit import FitConfig
+    from relex.sweep import SweepConfig, sweep
+
+    _, run = run_parts
+    out = tmp_path / "sweep"
+    out.mkdir()
+    (out / "sweep.json").write_text("earlier")
+
+    @contextmanager
+    def failing(checkpoint):
+        raise RuntimeError("interrupted")
+        yield
+
+    config = SweepConfig(targets=[20], task=TASK, n=4, fit=FitConfig(observe_until=OBSERVE_UNTIL), overwrite=True)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        sweep(run / "trajectory", out, config, generator_factory=failing)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"] and (out / "sweep.json").read_text() == "earlier"
+    with pytest.raises(RelexError, match="lies inside the input"):
+        sweep(run / "trajectory", run / "trajectory" / "sweep", config, generator_factory=failing)
+    assert not (run / "trajectory" / "sweep").exists()
