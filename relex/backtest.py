@@ -7,7 +7,6 @@ later steps is |u_pᵀ G_pl u_l| / (σ_p σ_l). No prediction is ever written ou
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from relex.extrapolate.methods import Plan, get_method
 from relex.fit.fit import FitConfig, validate
 from relex.fit.gram import resolve_device, tensor_grams
 from relex.fit.trajectory_fit import fit_tensor
+from relex.io.atomic import write_json_atomic
 from relex.store import TrajectoryStore
 from relex.util import grouped, module_type
 
@@ -65,7 +65,8 @@ class BacktestResult:
         }
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        """Replace the file `path` whole (relex.io.atomic): a reader sees the old result or the new, never a part."""
+        write_json_atomic(path, self.to_dict(), lock=True)
 
 
 def _direction(gram: np.ndarray) -> tuple[np.ndarray, float]:

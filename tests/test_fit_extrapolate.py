@@ -207,3 +207,18 @@ def test_refit_and_backtest_reuse_the_gram(store, tmp_path):
     assert a.relative_error("relex", 30) == pytest.approx(b.relative_error("relex", 30), rel=1e-9)
     assert cli("fit", store.path, "--out", tmp_path / "r4", "--rank", "4", "--gram-from", tmp_path / "full") == 0
     assert cli("fit", store.path, "--out", tmp_path / "bad", "--observe-until", "13", "--gram-from", tmp_path / "full") != 0
+
+
+def test_backtest_out_is_replaced_whole_and_never_a_folder_or_the_store(store, tmp_path, capsys):
+    out = tmp_path / "backtest.json"
+    out.write_text("earlier")
+    assert cli("backtest", store.path, "--observe-until", "13", "--out", out) == 0
+    assert json.loads(out.read_text())["observed_steps"] == [s for s in STEPS if s <= 13]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary file, no lock
+    capsys.readouterr()
+    (tmp_path / "folder").mkdir()
+    for bad, words in ((tmp_path / "folder", "is a folder"), (store.path / "backtest.json", "lies inside the input")):
+        assert cli("backtest", store.path, "--observe-until", "13", "--out", bad) != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], err
+    assert not (store.path / "backtest.json").exists() and list((tmp_path / "folder").iterdir()) == []

@@ -18,10 +18,14 @@ def run(args):
     from relex.cli.common import console, fit_config_from, table
     from relex.distributed import backtest_across_ranks
     from relex.errors import RelexError
+    from relex.io.atomic import check_output, refuse_inputs
     from relex.ranks import launched
     from relex.store import TrajectoryStore
 
     store = TrajectoryStore.open(args.store)
+    if args.out:  # refused before the pass over the store: a folder, or the store or its base itself
+        check_output(args.out, overwrite=True, folder=False)
+        refuse_inputs(args.out, [store.path, store.base_dir])
     config = fit_config_from(args)
     until, config.observe_until = config.observe_until, None
     grams = None
