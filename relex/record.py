@@ -37,6 +37,7 @@ import torch
 from transformers import TrainerCallback
 
 from relex.errors import RelexError
+from relex.io.atomic import pid_alive
 from relex.io.checkpoint import CheckpointReader, TensorInfo
 from relex.io.dtypes import dtype_name, parse_dtype
 from relex.io.hf_folder import HFFolderWriter, make_inference_ready
@@ -146,6 +147,7 @@ class DeltaRecorder(TrainerCallback):
                 "the model trains in %s without float32 master weights: updates smaller than about |w|/256 are "
                 "rounded away before they can be recorded", dtype_name(self._source_dtype),
             )
+        remove_dead_base_leftovers(self.store_dir)
         if is_store(self.store_dir):
             self.store = self._open(live, global_step)
         elif global_step == 0:
@@ -164,7 +166,7 @@ class DeltaRecorder(TrainerCallback):
         base_dir = self._matching_base_folder(model, live, theta0)
         saved = None
         if base_dir is None:
-            saved = save_base(model, live, self.store_dir.parent / f".{self.store_dir.name}.base-tmp-{os.getpid()}", processing_class)
+            saved = save_base(model, live, base_tmp_dir(self.store_dir), processing_class)
             base_dir = saved
         infos = CheckpointReader(base_dir).infos()
         store = TrajectoryStore.create(
@@ -410,6 +412,29 @@ def check_resumed(live: dict[str, torch.Tensor], theta0: dict[str, torch.Tensor]
 
 
 # ---- saving θ₀ ----------------------------------------------------------------------------------------------------
+def base_tmp_dir(store_dir: Path, pid: int | None = None) -> Path:
+    """Where θ₀ is saved before it moves into a new store: `.STORE.base-tmp-PID`, beside the store."""
+    return store_dir.parent / f".{store_dir.name}.base-tmp-{os.getpid() if pid is None else pid}"
+
+
+def remove_dead_base_leftovers(store_dir: Path) -> list[Path]:
+    """Remove the `.STORE.base-tmp-PID` folders that processes no longer running left (a recorder killed while it
+    saved θ₀); a live process's is its own business. Returns what was removed, and says so in one line."""
+    removed = []
+    if store_dir.parent.is_dir():
+        for entry in store_dir.parent.glob(f".{store_dir.name}.base-tmp-*"):
+            pid = entry.name.rpartition("-")[2]
+            if pid.isdigit() and entry == base_tmp_dir(store_dir, int(pid)) and not pid_alive(int(pid)):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+                removed.append(entry)
+    if removed:
+        LOG.warning("%s: removed %s, left by interrupted recorders", store_dir, ", ".join(sorted(p.name for p in removed)))
+    return removed
+
+
 def save_base(model, live: dict[str, torch.Tensor], out_dir: Path, processing_class=None) -> Path:
     """Write the model's current state dict (every name, in its dtype) as an HF folder, with config and tokenizer."""
     state = {name: t for name, t in model.state_dict().items()}

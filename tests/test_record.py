@@ -152,3 +152,18 @@ def test_resume_continues_the_store(tmp_path):
 def test_every_must_be_positive():
     with pytest.raises(RelexError, match="every"):
         DeltaRecorder("x", every=0)
+
+
+def test_a_killed_recorders_base_leftover_is_removed(tmp_path):
+    import os
+
+    dead = tmp_path / ".trajectory.base-tmp-999999999"  # no such process
+    live = tmp_path / f".trajectory.base-tmp-{os.getppid()}"  # a running process's: its own business
+    for folder in (dead, live):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half")
+    recorder = DeltaRecorder(tmp_path / "trajectory")
+    recorder.attach(tiny_model())  # saves θ₀ into the new store through its own .trajectory.base-tmp-PID
+    assert not dead.exists() and live.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "trajectory"]
+    assert (recorder.store.base_dir / "config.json").is_file()
