@@ -61,12 +61,13 @@ REWARD_SLOPE_WINDOW = 4  # GRPO steps over which log.jsonl's `reward_slope` is t
 
 
 def reward_slope(rewards, window: int = REWARD_SLOPE_WINDOW) -> float | None:
-    """The least-squares slope per step of the last `window` rewards (None with fewer than 2): at or below zero,
-    the reward has stopped rising, which is where extrapolation stops paying (relex.accelerate.warning)."""
+    """The least-squares slope per step of the last `window` rewards (None until there are `window` of them: a
+    slope over fewer steps is noise): at or below zero, the reward has stopped rising, which is where extrapolation
+    stops paying (relex.accelerate.warning)."""
     import numpy as np
 
     values = [r for r in list(rewards)[-window:] if r is not None]
-    if len(values) < 2:
+    if len(values) < max(2, window):
         return None
     return float(np.polyfit(np.arange(len(values), dtype=np.float64), np.asarray(values, dtype=np.float64), 1)[0])
 
