@@ -83,6 +83,13 @@ def quiet_when_piped() -> None:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
+def error_line(text: str) -> None:
+    """One line on stderr, written with one call: under torchrun every rank prints its line into the same pipe,
+    and a line written in two parts (text, then newline) can run into another rank's."""
+    sys.stderr.write(text.replace("  ", " ") + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
@@ -103,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet_when_piped()
         result = _load(args.command).run(args)
     except RelexError as error:
-        print(f"relex {command or ''}: error: {error}".replace("  ", " "), file=sys.stderr)
+        error_line(f"relex {command or ''}: error: {error}")
         return 2
     except Exception as error:
         from relex.models import hub_failure
@@ -111,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         message = hub_failure(error)  # the hub unreachable or a repository missing: one line, not 40 of traceback
         if message is None:
             raise
-        print(f"relex {command or ''}: error: {message}".replace("  ", " "), file=sys.stderr)
+        error_line(f"relex {command or ''}: error: {message}")
         return 2
     except KeyboardInterrupt:
         print("relex: interrupted", file=sys.stderr)
