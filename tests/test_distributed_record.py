@@ -70,7 +70,7 @@ if sys.argv[2] in ("fsdp", "fsdp-unsaved", "fsdp-full-disk"):  # a manual traini
             recorder.on_step_end(None, state, control)
         recorder.on_train_end(None, state, control)
     except RelexError as error:
-        print(f"rank {dist.get_rank() if sharded else 0}: {error}", file=sys.stderr)
+        sys.stderr.write(f"rank {dist.get_rank() if sharded else 0}: {error}\\n")  # one write: ranks share the pipe
         sys.exit(2)
     print(f"recorded {sorted(recorder.store.steps) if recorder.store else None}")
     sys.exit(0)
