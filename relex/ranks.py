@@ -94,16 +94,19 @@ def process_group() -> Iterator[Ranks]:
         raise RankFailed(f"rank {ranks.rank} of {ranks.world}: stopped by signal {signum} (another rank failed)")
 
     previous = signal.signal(signal.SIGTERM, stop)
+    failed = False
     try:
         yield ranks
-    except RankFailed as failure:
-        if failure.agreed:  # wait until every rank has removed what it wrote: torchrun stops the rest at the first exit
+    except BaseException as failure:
+        failed = True
+        if isinstance(failure, RankFailed) and failure.agreed:  # wait until every rank has removed what it wrote
             with contextlib.suppress(RuntimeError):
                 dist.barrier()
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
-        dist.destroy_process_group()
+        if not failed:  # after a failure a peer may be gone: destroying the group then can abort the process
+            dist.destroy_process_group()  # before it has printed its one line
 
 
 @contextlib.contextmanager
