@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relex.errors import RelexError
+from relex.train.config import section
+from relex.util import is_int
 
 OPTIMIZER_POLICIES = ("reset", "keep", "rescale")
 
@@ -46,7 +48,7 @@ class WarningConfig:
     min_cosine: float = 0.0
 
     def __post_init__(self) -> None:
-        if not _is_int(self.reward_window) or self.reward_window < 2:
+        if not is_int(self.reward_window) or self.reward_window < 2:
             raise RelexError(f"accelerate.warning.reward_window: expected an integer ≥ 2, got {self.reward_window!r}")
         for key in ("min_reward_slope", "min_r2", "min_explained_variance", "min_cosine"):
             if not _is_number(getattr(self, key)):
@@ -74,7 +76,7 @@ class AccelerateConfig:
     max_new_tokens: int | None = None  # validation completions (default: grpo.max_completion_length)
 
     def __post_init__(self) -> None:
-        if not _is_int(self.segment_steps) or self.segment_steps < 2:
+        if not is_int(self.segment_steps) or self.segment_steps < 2:
             raise RelexError(
                 f"accelerate.segment_steps: {self.segment_steps!r}; a segment needs at least 2 GRPO steps to fit a line"
             )
@@ -92,13 +94,13 @@ class AccelerateConfig:
             METHODS.get(name)  # an unknown name fails with the valid ones
             if name in ("observed", "reconstruct"):
                 raise RelexError(f"accelerate.methods: {name!r} does not extrapolate; use relex, relex-anchored, two-point or per-param")
-        if not _is_int(self.rank) or self.rank < 1 or self.rank > self.segment_steps:
+        if not is_int(self.rank) or self.rank < 1 or self.rank > self.segment_steps:
             raise RelexError(f"accelerate.rank: expected an integer from 1 to segment_steps ({self.segment_steps}), got {self.rank!r}")
         if isinstance(self.keep, str):
             self.keep = [p.strip() for p in self.keep.split(",") if p.strip()]
         if not isinstance(self.keep, list) or not all(isinstance(p, str) and p for p in self.keep):
             raise RelexError(f"accelerate.keep: expected a list of module-type patterns, got {self.keep!r}")
-        if not _is_int(self.validation_size) or self.validation_size < 1:
+        if not is_int(self.validation_size) or self.validation_size < 1:
             raise RelexError(f"accelerate.validation_size: {self.validation_size!r}: the validation split is empty; the guard needs at least one problem")
         if not _is_number(self.margin) or self.margin < 0 or not _is_number(self.min_gain):
             raise RelexError(f"accelerate.margin {self.margin!r}, min_gain {self.min_gain!r}: expected numbers, margin ≥ 0")
@@ -117,9 +119,9 @@ class AccelerateConfig:
         for key in ("jump", "keep_candidates"):
             if not isinstance(getattr(self, key), bool):
                 raise RelexError(f"accelerate.{key}: expected true or false, got {getattr(self, key)!r}")
-        if not _is_int(self.batch_size) or self.batch_size < 1:
+        if not is_int(self.batch_size) or self.batch_size < 1:
             raise RelexError(f"accelerate.batch_size: expected a positive integer, got {self.batch_size!r}")
-        if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 1):
+        if self.max_new_tokens is not None and (not is_int(self.max_new_tokens) or self.max_new_tokens < 1):
             raise RelexError(f"accelerate.max_new_tokens: expected a positive integer, got {self.max_new_tokens!r}")
 
     @classmethod
@@ -130,28 +132,12 @@ class AccelerateConfig:
         return dataclasses.asdict(self)
 
 
-def section(cls, data: dict[str, Any] | None, where: str):
-    if data is None:
-        return cls()
-    if not isinstance(data, dict):
-        raise RelexError(f"{where}: expected a mapping, got {data!r}")
-    valid = [f.name for f in dataclasses.fields(cls)]
-    for key in data:
-        if key not in valid:
-            raise RelexError(f"{where}: unknown key {key!r}; valid keys: {', '.join(valid)}")
-    return cls(**data)
-
-
 def _numbers(values: Any, key: str) -> list[float]:
     if _is_number(values):
         values = [values]
     if not isinstance(values, list) or not values or not all(_is_number(v) for v in values):
         raise RelexError(f"accelerate.{key}: expected a list of numbers, got {values!r}")
     return [float(v) for v in values]
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: Any) -> bool:

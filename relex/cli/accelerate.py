@@ -37,24 +37,14 @@ def _list(text, cast, flag):
 
 
 def run(args) -> int:
-    from pathlib import Path
-
     from relex.accelerate import run_accelerate
     from relex.accelerate.loop import read_jumps
     from relex.accelerate.run import accelerate_config
-    from relex.cli.common import console, table
-    from relex.errors import RelexError
+    from relex.cli.common import console, run_config_file, table
     from relex.train import load_config
 
-    config_file = args.config
-    if config_file is None:
-        if not (args.resume and args.out):
-            raise RelexError("give --config FILE (or --resume --out RUN to continue a run with its own config)")
-        config_file = Path(args.out) / "config.yaml"
-    config = load_config(config_file, out=args.out, max_steps=args.max_steps)
-    keep = _list(args.keep, str, "--keep")
-    if args.keep is not None and not keep:
-        raise RelexError(f"--keep {args.keep!r} names no module type; give patterns like '*norm.weight'")
+    config = load_config(run_config_file(args), out=args.out, max_steps=args.max_steps)
+    keep = _list(args.keep, str, "--keep")  # an empty list is refused there, in one line
     accelerate = accelerate_config(
         config, segment_steps=args.segment_steps, alphas=_list(args.alphas, float, "--alphas"),
         scales=_list(args.scales, float, "--scales"), methods=_list(args.methods, str, "--methods"), keep=keep,

@@ -31,6 +31,19 @@ def add_fit_options(parser: argparse.ArgumentParser, *, observe_until_required: 
     )
 
 
+def run_config_file(args: argparse.Namespace):
+    """`--config`, or with `--resume --out RUN` the run's own RUN/config.yaml (relex train and relex accelerate)."""
+    from pathlib import Path
+
+    from relex.errors import RelexError
+
+    if args.config is not None:
+        return args.config
+    if not (args.resume and args.out):
+        raise RelexError("give --config FILE (or --resume --out RUN to continue a run with its own config)")
+    return Path(args.out) / "config.yaml"
+
+
 RECIPE_FLAGS = ("rank", "temporal", "degree", "window", "observe_until")
 
 

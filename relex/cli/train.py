@@ -11,17 +11,10 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from pathlib import Path
-
-    from relex.errors import RelexError
+    from relex.cli.common import run_config_file
     from relex.train import load_config, run_training
 
-    config_file = args.config
-    if config_file is None:
-        if not (args.resume and args.out):
-            raise RelexError("give --config FILE (or --resume --out RUN to continue a run with its own config)")
-        config_file = Path(args.out) / "config.yaml"
-    config = load_config(config_file, out=args.out, max_steps=args.max_steps, record_every=args.record_every)
+    config = load_config(run_config_file(args), out=args.out, max_steps=args.max_steps, record_every=args.record_every)
     run_dir = run_training(config, resume=args.resume, show_progress=not args.no_progress)
     print(f"run written to {run_dir} (trajectory store: {run_dir / 'trajectory'}, log: {run_dir / 'log.jsonl'})")
     return 0
