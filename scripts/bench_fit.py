@@ -16,8 +16,10 @@ checkpoints in verl's layout (`global_step_N/actor/huggingface/`, relex.syntheti
   1. read: every byte of the run's checkpoint files and the base read once (the floor: what `cat` does);
   2. `relex ingest` (referenced in place: names, shapes, dtypes and headers), and `relex ingest --verify` (every
      value scanned for NaN/Inf) for comparison;
-  3. fit + extrapolate: `relex extrapolate` to two targets on that store (Gram pass + weighted sum).
-The ratio (ingest + fit + extrapolate) / read is formed from medians of the same benchmark run.
+  3. fit + extrapolate: `relex extrapolate` to two targets on that store (Gram pass + weighted sum), and the same
+     on a store of copied float32 deltas of the same run (`relex ingest --copy`, made once, untimed).
+The ratios (ingest + fit + extrapolate) / read and referenced / copied extrapolation are formed from medians of the
+same benchmark run.
 
 Peak RSS is each phase's own: VmHWM of the phase's process, read by itself at its end. ru_maxrss (RUSAGE_SELF in
 the child, or os.wait4 on it) is not: Linux carries the forking parent's RSS over into it at exec.
@@ -140,11 +142,12 @@ def phase_read_files(*folders: str) -> dict:
     return {"seconds": time.perf_counter() - started, "bytes": total}
 
 
-def phase_ingest(run: str, base: str, store: str, verify: str) -> dict:
+def phase_ingest(run: str, base: str, store: str, mode: str) -> dict:
+    """`mode`: headers (referenced in place), verify (every value scanned) or copy (deltas written into the store)."""
     from relex.ingest import ingest
 
     started = time.perf_counter()
-    ingest([run], base, store, overwrite=True, verify=verify == "verify")
+    ingest([run], base, store, overwrite=True, verify=mode == "verify", copy=mode == "copy")
     return {"seconds": time.perf_counter() - started}
 
 
@@ -250,15 +253,20 @@ def bench_verl(args) -> None:
     workdir = Path(args.workdir)
     run = build_verl_run(workdir, args.shape, args.steps)
     base, store, out = workdir / "base", workdir / "store", workdir / "out"
+    copied = workdir / f"store-copied-{args.shape}-T{args.steps}"
+    if not (copied / "manifest.json").is_file():
+        run_phase("ingest", str(run), str(base), str(copied), "copy")
     size = sum(p.stat().st_size for folder in (run, base) for p in folder.rglob("*.safetensors"))
     phases = {
         "read every byte of the run and the base once": ("read-files", str(run), str(base)),
         "relex ingest (headers: names, shapes, dtypes, sizes)": ("ingest", str(run), str(base), str(store), "headers"),
         "relex ingest --verify (every value scanned)": ("ingest", str(run), str(base), str(store), "verify"),
         "fit + extrapolate to two targets": ("extrapolate", str(store), str(out), args.device, "cached"),
+        "fit + extrapolate, store of copied float32 deltas": ("extrapolate", str(copied), str(out), args.device, "cached"),
     }
     runs: dict[str, list[dict]] = {label: [] for label in phases}
     run_phase("read-files", str(run), str(base))  # untimed: puts the files in the page cache
+    run_phase("read-files", str(copied))
     resident = _resident_bytes(run, base)
     for _ in range(args.repeats):
         for label, phase in phases.items():
@@ -274,10 +282,11 @@ def bench_verl(args) -> None:
         cpu = "user {:.1f} + sys {:.1f} s".format(*(median(r[c] for r in results) for c in ("user_s", "sys_s")))
         rss = max(r["peak_rss_gib"] for r in results)
         print(f"  {label:<55} {medians[label]:7.2f} s   peak RSS {rss:.2f} GiB  CPU {cpu}  (runs: {_runs(seconds)})")
-    read, ingest, verify, fit = medians.values()
+    read, ingest, verify, fit, fit_copied = medians.values()
     print(f"  ratio (ingest + fit + extrapolate) / read:              {(ingest + fit) / read:7.2f}   (goal <= 4)")
     print(f"  ratio (ingest --verify + fit + extrapolate) / read:     {(verify + fit) / read:7.2f}")
     print(f"  ingest --verify / ingest:                               {verify / ingest:7.2f}")
+    print(f"  fit + extrapolate, referenced / copied store:           {fit / fit_copied:7.2f}   (goal: 1)")
 
 
 def _resident_bytes(*folders: Path) -> int | None:
