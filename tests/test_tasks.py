@@ -128,7 +128,7 @@ def test_unknown_dataset_suggests_close_names():
 
 
 def test_unknown_dataset_config_key_lists_valid_ones():
-    with pytest.raises(RelexError, match="unknown config key 'terms'; valid: min_terms, max_terms"):
+    with pytest.raises(RelexError, match="chain_sum config: unknown key 'terms'; valid keys: min_terms, max_terms"):
         chain_sum(config={"terms": 3})
     with pytest.raises(RelexError, match="train_seed/eval_seed"):
         chain_sum(config={"seed": 3})
@@ -252,7 +252,7 @@ def test_jsonl_split_label_errors(tmp_path):
     write_jsonl(path, [{"question": "q", "answer": "1", "split": "train"}, {"question": "r", "answer": "2"}])
     with pytest.raises(RelexError, match=f"{path}:2: split field 'split' on some lines but not others"):
         load_task({"source": "jsonl", "name": str(path)})
-    with pytest.raises(RelexError, match="unknown config key 'splits'; valid: split_field, train_split, eval_split"):
+    with pytest.raises(RelexError, match="config: unknown key 'splits'; valid keys: split_field, train_split, eval_split"):
         load_task({"source": "jsonl", "name": str(path), "config": {"splits": 1}})
 
 

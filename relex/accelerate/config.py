@@ -21,11 +21,11 @@ override the file.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from relex.errors import RelexError
-from relex.train.config import section
+from relex.settings import load, setting
 from relex.util import is_int
 
 OPTIMIZER_POLICIES = ("reset", "keep", "rescale")
@@ -33,19 +33,15 @@ OPTIMIZER_POLICIES = ("reset", "keep", "rescale")
 
 @dataclass
 class WarningConfig:
-    """Thresholds of the early warning that linearity is breaking (relex.accelerate.warning).
+    """Thresholds of the early warning that linearity is breaking (relex.accelerate.warning); the R², explained
+    variance and cosine are medians over tensors. `warning: false` in a config is short for `enabled: false`."""
 
-    reward_window: GRPO steps over which the reward's least-squares slope is taken; min_reward_slope: a slope at
-    or below it means the reward has stopped rising. min_r2, min_explained_variance: medians over tensors of the
-    segment fit's temporal R² and rank-1 explained variance. min_cosine: median over tensors of the cosine between
-    this segment's displacement and the previous one's (the direction drifts when it falls)."""
-
-    enabled: bool = True
-    reward_window: int = 8
-    min_reward_slope: float = 0.0
-    min_r2: float = 0.5
-    min_explained_variance: float = 0.5
-    min_cosine: float = 0.0
+    enabled: bool = setting(True, "raise the warning at all")
+    reward_window: int = setting(8, "GRPO steps over which the reward's least-squares slope is taken")
+    min_reward_slope: float = setting(0.0, "a reward slope at or below it means the reward has stopped rising")
+    min_r2: float = setting(0.5, "the segment fit's temporal R² below which linearity is breaking")
+    min_explained_variance: float = setting(0.5, "the segment fit's rank-1 explained variance below which it is")
+    min_cosine: float = setting(0.0, "cosine between this segment's displacement and the previous one's (drift)")
 
     def __post_init__(self) -> None:
         if not is_int(self.reward_window) or self.reward_window < 2:
@@ -55,25 +51,42 @@ class WarningConfig:
                 raise RelexError(f"accelerate.warning.{key}: expected a number, got {getattr(self, key)!r}")
 
 
+def warning_shorthand(value: Any) -> Any:
+    """`warning: false` is short for `warning: {enabled: false}`."""
+    return {"enabled": False} if value is False else value
+
+
 @dataclass
 class AccelerateConfig:
-    segment_steps: int = 4
-    alphas: list[float] = field(default_factory=lambda: [1.5, 2.0, 3.0])
-    scales: list[float] = field(default_factory=lambda: [1.0])
-    methods: list[str] = field(default_factory=lambda: ["relex-anchored", "relex"])
-    rank: int = 1
-    keep: list[str] = field(default_factory=list)
-    validation_size: int = 64
-    margin: float = 0.05
+    segment_steps: int = setting(4, "m: GRPO optimizer steps per segment (a jump decision after each)")
+    alphas: list[float] = setting(
+        help="candidate horizons as multiples of the segment, each > 1: target = start + α·m",
+        factory=lambda: [1.5, 2.0, 3.0],
+    )
+    scales: list[float] = setting(
+        help="λ: shrink of the displacement predicted beyond the segment's last step, each > 0", factory=lambda: [1.0]
+    )
+    methods: list[str] = setting(
+        help="extrapolation methods of the candidates", factory=lambda: ["relex-anchored", "relex"]
+    )
+    rank: int = setting(1, "directions per tensor of the segment fit")
+    keep: list[str] = setting(
+        help="module types copied from the segment's last step instead of extrapolated, e.g. '*norm.weight'",
+        factory=list,
+    )
+    validation_size: int = setting(64, "validation problems, disjoint from the train and test problems")
+    margin: float = setting(0.05, "a jump may not be credibly worse than the current weights by more than this")
     # the study (analysis/README.md, section 5): a jump whose validation score equalled the current weights' cost
     # 0.040 [0.003, 0.077] held-out accuracy, and resetting the optimizer after a jump ended 0.043 above keeping it
-    min_gain: float = 0.01
-    optimizer: str = "reset"
-    warning: WarningConfig = field(default_factory=WarningConfig)
-    jump: bool = True
-    keep_candidates: bool = False  # keep every candidate folder (default: only their scores)
-    batch_size: int = 64  # validation generation batch
-    max_new_tokens: int | None = None  # validation completions (default: grpo.max_completion_length)
+    min_gain: float = setting(0.01, "validation gain a jump needs over the current weights (1 problem in 64: 0.016)")
+    optimizer: str = setting("reset", f"optimizer state after a jump: {', '.join(OPTIMIZER_POLICIES)}")
+    warning: WarningConfig = setting(
+        help="the early warning that linearity is breaking", factory=WarningConfig, parse=warning_shorthand
+    )
+    jump: bool = setting(True, "false: the same loop and validation, never jumping (the plain control run)")
+    keep_candidates: bool = setting(False, "keep every candidate folder (default: only their scores)")
+    batch_size: int = setting(64, "validation generation batch")
+    max_new_tokens: int | None = setting(None, "validation completion length (default: grpo.max_completion_length)")
 
     def __post_init__(self) -> None:
         if not is_int(self.segment_steps) or self.segment_steps < 2:
@@ -112,10 +125,8 @@ class AccelerateConfig:
             )
         if self.optimizer not in OPTIMIZER_POLICIES:
             raise RelexError(f"accelerate.optimizer: unknown policy {self.optimizer!r}; valid: {', '.join(OPTIMIZER_POLICIES)}")
-        if self.warning is False:  # `warning: false` switches the early warning off
-            self.warning = WarningConfig(enabled=False)
-        if isinstance(self.warning, dict):
-            self.warning = section(WarningConfig, self.warning, "accelerate.warning")
+        if not isinstance(self.warning, WarningConfig):
+            raise RelexError(f"accelerate.warning: expected a WarningConfig, got {self.warning!r}")
         for key in ("jump", "keep_candidates"):
             if not isinstance(getattr(self, key), bool):
                 raise RelexError(f"accelerate.{key}: expected true or false, got {getattr(self, key)!r}")
@@ -126,7 +137,8 @@ class AccelerateConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "AccelerateConfig":
-        return section(cls, data, "accelerate")
+        """The `accelerate:` section (None: every default), its keys and the `warning` section's checked."""
+        return load(cls, data, "accelerate")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

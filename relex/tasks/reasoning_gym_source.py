@@ -20,6 +20,7 @@ import logging
 from typing import Any
 
 from relex.errors import RelexError
+from relex.settings import check_keys
 from relex.tasks.entry import encode_entry
 from relex.tasks.task import EVAL, TASK_SOURCES, TRAIN, TaskSource, make_row
 
@@ -118,7 +119,5 @@ def dataset_config(name: str, config: dict[str, Any]) -> dict[str, Any]:
         if key in config:
             raise RelexError(f"reasoning-gym {name}: set train_{key}/eval_{key} on the task, not config[{key!r}]")
     options = [f.name for f in dataclasses.fields(DATASETS[name][1]) if f.name not in ("seed", "size")]
-    for key in config:
-        if key not in options:
-            raise RelexError(f"reasoning-gym {name}: unknown config key {key!r}; valid: {', '.join(options)}")
+    check_keys(config, options, f"reasoning-gym {name} config")
     return dict(config)

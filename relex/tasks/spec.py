@@ -3,18 +3,18 @@
     TaskSpec(source="reasoning_gym", name="chain_sum",
              config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2})
     TaskSpec(source="jsonl", name="data/gsm8k.jsonl", eval_size=200)
-    TaskSpec.from_dict(yaml.safe_load(...)["task"])   # unknown keys fail, naming the valid ones
-    as_task_spec("chain_sum")                          # a name, a mapping or a TaskSpec: what every command takes
+    as_task_spec(yaml.safe_load(...)["task"])    # unknown keys fail, naming the valid ones
+    as_task_spec("chain_sum")                    # a name, a mapping or a TaskSpec: what every command takes
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from relex.errors import RelexError
+from relex.settings import load, setting
 from relex.util import is_int
 
 DEFAULT_INSTRUCTION = "Put the final answer within \\boxed{}."
@@ -24,31 +24,28 @@ DEFAULT_INSTRUCTION = "Put the final answer within \\boxed{}."
 class TaskSpec:
     """A task source plus how to turn its items into prompts and how many to use.
 
-    source: task source registry name (`reasoning_gym`, `jsonl`, `hf`).
-    name: reasoning-gym dataset name, JSON-lines path, or hub dataset id.
-    config: reasoning-gym dataset options, or the source's options (split names, subset).
-    verifier: verifier registry name; None picks the source's default (`reasoning_gym` or `math`).
-    instruction: appended to each question on a new line; "" appends nothing.
-    train_size, eval_size: rows per split; None means the source's default (reasoning-gym: 1000 and 200;
-        files: every row, and no held-out split unless the file has split labels or eval_size is set).
-    train_seed, eval_seed: reasoning-gym generation seeds; eval_seed also shuffles the held-out pick of an
-        unlabelled file. reasoning-gym item i of a dataset comes from seed + i, so the default seeds are far apart.
-    question_field, answer_field: record fields of file sources; an answer in GSM8K style ("... #### 42")
-        keeps what follows the last "####".
+    reasoning-gym item i of a dataset comes from seed + i, so the default seeds are far apart. An answer in
+    GSM8K style ("... #### 42") keeps what follows the last "####".
     """
 
-    source: str
-    name: str
-    config: dict[str, Any] = field(default_factory=dict)
-    verifier: str | None = None
-    instruction: str = DEFAULT_INSTRUCTION
-    system_prompt: str | None = None
-    train_size: int | None = None
-    eval_size: int | None = None
-    train_seed: int = 0
-    eval_seed: int = 1_000_000
-    question_field: str = "question"
-    answer_field: str = "answer"
+    source: str = setting(help="task source: reasoning_gym, jsonl or hf")
+    name: str = setting(help="reasoning-gym dataset name, JSON-lines path, or hub dataset id")
+    config: dict[str, Any] = setting(
+        help="reasoning-gym dataset options, or the source's options (split names, subset)", factory=dict
+    )
+    verifier: str | None = setting(None, "verifier name; null picks the source's default (reasoning_gym or math)")
+    instruction: str = setting(DEFAULT_INSTRUCTION, 'appended to each question on a new line; "" appends nothing')
+    system_prompt: str | None = setting(None, "a system message before each question")
+    train_size: int | None = setting(
+        None, "train rows; null: the source's default (reasoning-gym 1000, a file every row)"
+    )
+    eval_size: int | None = setting(
+        None, "held-out rows; null: the source's default (reasoning-gym 200, a file: only its own split labels)"
+    )
+    train_seed: int = setting(0, "reasoning-gym generation seed of the train split")
+    eval_seed: int = setting(1_000_000, "reasoning-gym seed of the held-out split; also shuffles a file's pick")
+    question_field: str = setting("question", "record field holding the question (file sources)")
+    answer_field: str = setting("answer", "record field holding the answer (file sources)")
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, dict):
@@ -61,28 +58,17 @@ class TaskSpec:
             if not is_int(getattr(self, key)):
                 raise RelexError(f"task {self.name}: {key} must be an integer, got {getattr(self, key)!r}")
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TaskSpec:
-        """A spec from a mapping (e.g. a YAML section); unknown or missing keys fail with the valid ones."""
-        valid = [f.name for f in dataclasses.fields(cls)]
-        for key in data:
-            if key not in valid:
-                raise RelexError(f"task: unknown key {key!r}; valid keys: {', '.join(valid)}")
-        for key in ("source", "name"):
-            if key not in data:
-                raise RelexError(f"task: missing key {key!r} (e.g. source: reasoning_gym, name: chain_sum)")
-        return cls(**data)
-
 
 def as_task_spec(task: TaskSpec | Mapping[str, Any] | str) -> TaskSpec:
-    """The TaskSpec itself, one from its mapping, or one from a name as `--task` reads it (task_spec_from_name)."""
+    """The one way to a TaskSpec: the spec itself, one from a mapping of its fields (a YAML `task:` section), or
+    one from a name as `--task` reads it (`task_spec_from_name`). Unknown or missing keys fail with the valid ones."""
     if isinstance(task, TaskSpec):
         return task
     if isinstance(task, str):
-        return TaskSpec.from_dict(task_spec_from_name(task))
+        task = task_spec_from_name(task)
     if not isinstance(task, Mapping):
         raise RelexError(f"task: expected a mapping of TaskSpec fields or a task name, got {task!r}")
-    return TaskSpec.from_dict(dict(task))
+    return load(TaskSpec, task, "task")
 
 
 def task_spec_from_name(name: str) -> dict:

@@ -18,7 +18,8 @@ from typing import Any
 
 from relex.errors import RelexError
 from relex.registry import Registry
-from relex.tasks.spec import TaskSpec
+from relex.settings import check_keys
+from relex.tasks.spec import TaskSpec, as_task_spec
 
 LOG = logging.getLogger(__name__)
 
@@ -40,10 +41,7 @@ class TaskSource:
 
     def options(self) -> dict[str, Any]:
         """`config_defaults` updated by the spec's config; an unknown key fails, naming the valid ones."""
-        for key in self.spec.config:
-            if key not in self.config_defaults:
-                valid = ", ".join(self.config_defaults) or "none"
-                raise RelexError(f"task {self.task_name}: unknown config key {key!r}; valid: {valid}")
+        check_keys(self.spec.config, self.config_defaults, f"task {self.task_name} config")
         return {**self.config_defaults, **self.spec.config}
 
     def load(self) -> dict[str, list[dict[str, Any]]]:
@@ -92,10 +90,9 @@ class Task:
         return f"Task({self.name}, verifier={self.verifier}, {sizes})"
 
 
-def load_task(spec: TaskSpec | dict[str, Any]) -> Task:
-    """Build the task a spec (or a mapping of its fields) describes."""
-    if isinstance(spec, dict):
-        spec = TaskSpec.from_dict(spec)
+def load_task(spec: TaskSpec | dict[str, Any] | str) -> Task:
+    """Build the task a spec (or a mapping of its fields, or a task name: `as_task_spec`) describes."""
+    spec = as_task_spec(spec)
     source_cls = TASK_SOURCES.get(spec.source)
     source = source_cls(spec)
     task = Task(source.task_name, spec.verifier or source_cls.default_verifier, source.load())

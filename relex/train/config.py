@@ -18,11 +18,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from relex.errors import RelexError
+from relex.settings import check_keys, load, read_yaml_mapping, setting
 from relex.tasks import TaskSpec, as_task_spec
 from relex.util import is_positive_int
 
@@ -50,139 +51,7 @@ RESERVED_GRPO = {
 }
 
 
-@dataclass
-class ModelConfig:
-    """name: the embedded alias, a local folder or a hub id; tiny: `make_tiny_llama` options for a random tiny
-    Llama written into OUT/model (for tests; `tokenizer_from` may name a model like `name` does)."""
-
-    name: str | None = None
-    tiny: dict[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        if self.tiny is not None and self.name is not None:
-            raise RelexError("model: give `name` or `tiny`, not both")
-        if self.tiny is not None:
-            if not isinstance(self.tiny, dict):
-                raise RelexError(f"model.tiny: expected a mapping of make_tiny_llama options, got {self.tiny!r}")
-            from relex.models import make_tiny_llama
-
-            valid = [p for p in inspect.signature(make_tiny_llama).parameters if p != "out_dir"]
-            check_keys(self.tiny, valid, "model.tiny")
-        elif self.name is None:
-            self.name = DEFAULT_MODEL
-
-
-@dataclass
-class RewardConfig:
-    """verifier: a verifier name (default: the task's); format_weight: weight of the `format` reward (0: off)."""
-
-    verifier: str | None = None
-    format_weight: float = 0.0
-
-
-@dataclass
-class RecordConfig:
-    """every: record θ − θ₀ every N optimizer steps (and at the last); delta_dtype: stored precision (float32);
-    resumable: also save a full checkpoint (optimizer included) at every recorded step, keeping the last
-    `keep_checkpoints`, so that `relex train --resume` can continue the run (see relex.train.grpo)."""
-
-    every: int = 1
-    delta_dtype: str | None = None
-    resumable: bool = False
-    keep_checkpoints: int = 1
-
-    def __post_init__(self) -> None:
-        for key in ("every", "keep_checkpoints"):
-            if not is_positive_int(getattr(self, key)):
-                raise RelexError(f"record.{key}: expected a positive integer, got {getattr(self, key)!r}")
-        if self.delta_dtype is not None:
-            from relex.io.dtypes import parse_dtype
-
-            parse_dtype(self.delta_dtype)
-
-
-@dataclass
-class TrainConfig:
-    task: TaskSpec
-    model: ModelConfig = field(default_factory=ModelConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    grpo: dict[str, Any] = field(default_factory=dict)
-    record: RecordConfig = field(default_factory=RecordConfig)
-    out: str | None = None
-    accelerate: dict[str, Any] | None = None  # `relex accelerate`'s section (relex.accelerate.config); train ignores it
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
-        check_keys(data, [f.name for f in dataclasses.fields(cls)], "config")
-        if "task" not in data:
-            raise RelexError("config: missing `task` (e.g. task: {source: reasoning_gym, name: chain_sum})")
-        model = data.get("model")
-        reward = section(RewardConfig, data.get("reward"), "reward")
-        task = as_task_spec(data["task"])
-        if reward.verifier and not task.verifier:
-            task.verifier = reward.verifier  # so that `relex eval --task-file` scores with the same verifier
-        return cls(
-            task=task,
-            model=ModelConfig(name=model) if isinstance(model, str) else section(ModelConfig, model, "model"),
-            reward=reward,
-            grpo=grpo_mapping(data.get("grpo")),
-            record=section(RecordConfig, data.get("record"), "record"),
-            out=data.get("out"),
-            accelerate=accelerate_mapping(data.get("accelerate")),
-        )
-
-    def verifier_name(self, task_verifier: str) -> str:
-        """The reward's verifier: `reward.verifier`, else the task's (they must agree when both are set)."""
-        if self.reward.verifier and self.task.verifier and self.reward.verifier != self.task.verifier:
-            raise RelexError(
-                f"reward.verifier is {self.reward.verifier!r} but task.verifier is {self.task.verifier!r}; set one of them"
-            )
-        return self.reward.verifier or task_verifier
-
-    def grpo_options(self) -> dict[str, Any]:
-        """relex's GRPO defaults with the config's `grpo` mapping on top."""
-        return {**GRPO_DEFAULTS, **self.grpo}
-
-    def to_dict(self) -> dict[str, Any]:
-        """The resolved config (defaults filled in), loadable again with `TrainConfig.from_dict`."""
-        data = dataclasses.asdict(self)
-        data["grpo"] = self.grpo_options()
-        data["model"] = {k: v for k, v in data["model"].items() if v is not None}
-        if data["accelerate"] is None:
-            del data["accelerate"]
-        return data
-
-
-def load_config(path: str | Path | None = None, *, base: dict[str, Any] | None = None, **overrides) -> TrainConfig:
-    """The YAML file's config (or `base`), with `out`, `max_steps` and `record_every` overrides when not None."""
-    from relex.evaluate.config import read_yaml_mapping
-
-    data = read_yaml_mapping(path) if path is not None else dict(base or {})
-    if overrides.get("out") is not None:
-        data["out"] = str(overrides["out"])
-    if overrides.get("max_steps") is not None:
-        data["grpo"] = {**(data.get("grpo") or {}), "max_steps": overrides["max_steps"]}
-    if overrides.get("record_every") is not None:
-        data["record"] = {**(data.get("record") or {}), "every": overrides["record_every"]}
-    return TrainConfig.from_dict(data)
-
-
-# ---- sections -----------------------------------------------------------------------------------------------------
-def check_keys(data: dict[str, Any], valid: list[str], where: str) -> None:
-    for key in data:
-        if key not in valid:
-            raise RelexError(f"{where}: unknown key {key!r}; valid keys: {', '.join(valid)}")
-
-
-def section(cls, data: dict[str, Any] | None, where: str):
-    if data is None:
-        return cls()
-    if not isinstance(data, dict):
-        raise RelexError(f"{where}: expected a mapping, got {data!r}")
-    check_keys(data, [f.name for f in dataclasses.fields(cls)], where)
-    return cls(**data)
-
-
+# ---- sections that are mappings for other code to check ----------------------------------------------------------
 def accelerate_mapping(data: Any) -> dict[str, Any] | None:
     """The `accelerate` section as given; relex.accelerate.config checks its keys when `relex accelerate` reads it."""
     if data is not None and not isinstance(data, dict):
@@ -211,3 +80,118 @@ def grpo_mapping(data: dict[str, Any] | None) -> dict[str, Any]:
                 "max_completion_length, temperature, beta, max_steps, seed"
             )
     return dict(data)
+
+
+# ---- relex's own sections ----------------------------------------------------------------------------------------
+@dataclass
+class ModelConfig:
+    """The policy: a model by name, or a random tiny Llama for tests. A config may give `model: NAME` for short."""
+
+    name: str | None = setting(None, f"the embedded alias, a local folder or a hub id (default {DEFAULT_MODEL})")
+    tiny: dict[str, Any] | None = setting(
+        None, "make_tiny_llama options for a random tiny Llama written into OUT/model (tokenizer_from may name a "
+        "model as `name` does)"
+    )
+
+    def __post_init__(self) -> None:
+        if self.tiny is not None and self.name is not None:
+            raise RelexError("model: give `name` or `tiny`, not both")
+        if self.tiny is not None:
+            if not isinstance(self.tiny, dict):
+                raise RelexError(f"model.tiny: expected a mapping of make_tiny_llama options, got {self.tiny!r}")
+            from relex.models import make_tiny_llama
+
+            valid = [p for p in inspect.signature(make_tiny_llama).parameters if p != "out_dir"]
+            check_keys(self.tiny, valid, "model.tiny")
+        elif self.name is None:
+            self.name = DEFAULT_MODEL
+
+
+@dataclass
+class RewardConfig:
+    verifier: str | None = setting(None, "a verifier name (default: the task's)")
+    format_weight: float = setting(0.0, "weight of the `format` reward (0: off)")
+
+
+@dataclass
+class RecordConfig:
+    """See relex.train.grpo for how `relex train --resume` continues from the checkpoints `resumable` keeps."""
+
+    every: int = setting(1, "record θ − θ₀ every N optimizer steps (and at the last)")
+    delta_dtype: str | None = setting(None, "stored precision of the deltas (default float32)")
+    resumable: bool = setting(False, "also save a full checkpoint (optimizer included) at every recorded step")
+    keep_checkpoints: int = setting(1, "how many of those checkpoints to keep (the last ones)")
+
+    def __post_init__(self) -> None:
+        for key in ("every", "keep_checkpoints"):
+            if not is_positive_int(getattr(self, key)):
+                raise RelexError(f"record.{key}: expected a positive integer, got {getattr(self, key)!r}")
+        if self.delta_dtype is not None:
+            from relex.io.dtypes import parse_dtype
+
+            parse_dtype(self.delta_dtype)
+
+
+def model_shorthand(value: Any) -> Any:
+    """`model: NAME` is short for `model: {name: NAME}`."""
+    return {"name": value} if isinstance(value, str) else value
+
+
+@dataclass
+class TrainConfig:
+    task: TaskSpec = setting(
+        help="a TaskSpec mapping or a task name, e.g. {source: reasoning_gym, name: chain_sum}", parse=as_task_spec
+    )
+    model: ModelConfig = setting(help="the policy to train", factory=ModelConfig, parse=model_shorthand)
+    reward: RewardConfig = setting(help="the reward functions", factory=RewardConfig)
+    grpo: dict[str, Any] = setting(
+        help="trl.GRPOConfig fields on top of relex's defaults", factory=dict, parse=grpo_mapping
+    )
+    record: RecordConfig = setting(help="what is recorded and kept", factory=RecordConfig)
+    out: str | None = setting(None, "the run folder")
+    accelerate: dict[str, Any] | None = setting(
+        None, "`relex accelerate`'s section (relex.accelerate.config); train ignores it",
+        parse=accelerate_mapping,
+    )
+
+    def __post_init__(self) -> None:
+        if self.reward.verifier and not self.task.verifier:
+            self.task.verifier = self.reward.verifier  # so that `relex eval --task-file` scores with the same verifier
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        """A config from its mapping (a YAML file's): every section's keys checked, naming the valid ones."""
+        return load(cls, data, "config")
+
+    def verifier_name(self, task_verifier: str) -> str:
+        """The reward's verifier: `reward.verifier`, else the task's (they must agree when both are set)."""
+        if self.reward.verifier and self.task.verifier and self.reward.verifier != self.task.verifier:
+            raise RelexError(
+                f"reward.verifier is {self.reward.verifier!r} but task.verifier is {self.task.verifier!r}; set one of them"
+            )
+        return self.reward.verifier or task_verifier
+
+    def grpo_options(self) -> dict[str, Any]:
+        """relex's GRPO defaults with the config's `grpo` mapping on top."""
+        return {**GRPO_DEFAULTS, **self.grpo}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config (defaults filled in), loadable again with `TrainConfig.from_dict`."""
+        data = dataclasses.asdict(self)
+        data["grpo"] = self.grpo_options()
+        data["model"] = {k: v for k, v in data["model"].items() if v is not None}
+        if data["accelerate"] is None:
+            del data["accelerate"]
+        return data
+
+
+def load_config(path: str | Path | None = None, *, base: dict[str, Any] | None = None, **overrides) -> TrainConfig:
+    """The YAML file's config (or `base`), with `out`, `max_steps` and `record_every` overrides when not None."""
+    data = read_yaml_mapping(path) if path is not None else dict(base or {})
+    if overrides.get("out") is not None:
+        data["out"] = str(overrides["out"])
+    if overrides.get("max_steps") is not None:
+        data["grpo"] = {**(data.get("grpo") or {}), "max_steps": overrides["max_steps"]}
+    if overrides.get("record_every") is not None:
+        data["record"] = {**(data.get("record") or {}), "every": overrides["record_every"]}
+    return TrainConfig.from_dict(data)
