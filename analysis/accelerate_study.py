@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNS = ROOT / "runs" / "accel"
+RUNS = ROOT / "runs" / "accel"  # defaults; --runs, --config, --name and --results point the study at another set of runs
+PLAIN_CONFIG = ROOT / "analysis" / "configs" / "accelerate-plain.yaml"
 RESULTS = ROOT / "analysis" / "results"
 FIGURES = ROOT / "analysis" / "figures"
 OBSERVE_UNTIL = 8
@@ -145,9 +146,6 @@ def wall_seconds(run: Path) -> dict[int, float]:
 
 
 # ---- 4. evaluation, cached per checkpoint so that later runs only score what is new ----------------------------------
-CACHE = RUNS / "eval-cache.json"
-
-
 @dataclass
 class Scored:
     checkpoint: str
@@ -163,17 +161,17 @@ class Scored:
         return bootstrap_ci(self.correct)
 
 
-def score_all(labels: dict[str, str], task, n: int, batch_size: int) -> dict[str, Scored]:
-    """Greedy correctness of every checkpoint on the same first `n` held-out problems (cached in runs/accel/)."""
+def score_all(labels: dict[str, str], task, n: int, batch_size: int, cache_file: Path) -> dict[str, Scored]:
+    """Greedy correctness of every checkpoint on the same first `n` held-out problems (cached in the runs' folder)."""
     from relex.evaluate import evaluate
 
-    cache = json.loads(CACHE.read_text()) if CACHE.is_file() else {}
+    cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
     for label, checkpoint in labels.items():
         key = f"{checkpoint}|n={n}"
         if key not in cache:
             result = evaluate([checkpoint], task, n=n, max_new_tokens=24, batch_size=batch_size)
             cache[key] = result.checkpoints[0].greedy_correct()
-            CACHE.write_text(json.dumps(cache))
+            cache_file.write_text(json.dumps(cache))
             print(f"{label}: {np.mean(cache[key]):.3f}", flush=True)
     return {label: Scored(checkpoint, cache[f"{checkpoint}|n={n}"]) for label, checkpoint in labels.items()}
 
@@ -205,23 +203,31 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--skip-noise", action="store_true")
     parser.add_argument("--only-plain", action="store_true", help="score the plain run and the one-shot baselines only")
+    parser.add_argument("--runs", type=Path, default=RUNS, help="folder holding plain/ and jump-*/ (default runs/accel)")
+    parser.add_argument("--config", type=Path, default=PLAIN_CONFIG, help="the plain run's config (task, batch)")
+    parser.add_argument("--name", default="accelerate", help="results/NAME.json, NAME-noise.json, figures/NAME.png")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--figures", type=Path, default=FIGURES)
     args = parser.parse_args()
     from relex.train import load_config
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    plain_store = RUNS / "plain" / "trajectory"
+    runs_dir, results, study = args.runs, args.results, args.name
+    config = load_config(args.config)
+    grpo = config.grpo
+    per_step = grpo.get("per_device_train_batch_size", 8) * grpo.get("gradient_accumulation_steps", 1)
+    results.mkdir(parents=True, exist_ok=True)
+    plain_store = runs_dir / "plain" / "trajectory"
     if not args.skip_noise:
         measured = noise(plain_store)
-        (RESULTS / "accelerate-noise.json").write_text(json.dumps(measured, indent=1) + "\n")
+        (results / f"{study}-noise.json").write_text(json.dumps(measured, indent=1) + "\n")
         print("noise:", {k: v for k, v in measured.items() if not isinstance(v, list)}, flush=True)
     runs = {"plain": plain_points(plain_store)}
     if not args.only_plain:
-        for run in sorted(p for p in RUNS.glob("jump-*") if (p / "jumps.jsonl").is_file()):
+        for run in sorted(p for p in runs_dir.glob("jump-*") if (p / "jumps.jsonl").is_file()):
             runs[run.name] = accelerated_points(run)
     labels = {f"{name}@{step}": checkpoint for name, points in runs.items() for step, checkpoint in sorted(points.items())}
-    labels.update(one_shot(plain_store, RUNS / "oneshot"))
-    task = load_config(ROOT / "analysis" / "configs" / "accelerate-plain.yaml").task
-    scored = score_all(labels, task, args.n, args.batch_size)
+    labels.update(one_shot(plain_store, runs_dir / "oneshot"))
+    scored = score_all(labels, config.task, args.n, args.batch_size, runs_dir / "eval-cache.json")
     if args.only_plain:
         return
     plain_final = max(runs["plain"])
@@ -230,11 +236,11 @@ def main() -> None:
     for label, r in scored.items():
         low, high = r.interval()
         table[label] = {"accuracy": r.accuracy, "ci_low": low, "ci_high": high, "vs_plain_final": paired(r, final)}
-    plain_wall = wall_seconds(RUNS / "plain")
+    plain_wall = wall_seconds(runs_dir / "plain")
     curves, reach = {}, {}
     for name, points in runs.items():
-        walls = wall_seconds(RUNS / name)
-        curves[name] = [{"grpo_step": s, "rollouts": s * 64, "accuracy": scored[f"{name}@{s}"].accuracy,
+        walls = wall_seconds(runs_dir / name)
+        curves[name] = [{"grpo_step": s, "rollouts": s * per_step, "accuracy": scored[f"{name}@{s}"].accuracy,
                          "wall_seconds": walls.get(s)} for s in sorted(points)]
         hit = next((p for p in curves[name] if p["accuracy"] >= final.accuracy), None)
         reach[name] = None if hit is None else {
@@ -246,23 +252,23 @@ def main() -> None:
         }
     equal_budget = {f"{name}@{s} − plain@{s}": paired(scored[f"{name}@{s}"], scored[f"plain@{s}"])
                     for name, points in runs.items() if name != "plain" for s in points if s in runs["plain"]}
-    out = {"n": args.n, "plain_final_step": plain_final, "plain_final_accuracy": final.accuracy, "checkpoints": table,
+    out = {"n": args.n, "rollouts_per_step": per_step, "plain_final_step": plain_final, "plain_final_accuracy": final.accuracy, "checkpoints": table,
            "curves": curves, "reach_plain_final": reach, "equal_budget": equal_budget,
-           "decisions": {name: decisions(RUNS / name) for name in runs if name != "plain"}}
-    (RESULTS / "accelerate.json").write_text(json.dumps(out, indent=1) + "\n")
-    figure(curves, table, final.accuracy, plain_final)
+           "decisions": {run: decisions(runs_dir / run) for run in runs if run != "plain"}}
+    (results / f"{study}.json").write_text(json.dumps(out, indent=1) + "\n")
+    figure(curves, table, final.accuracy, plain_final, args.figures / f"{study}.png")
     print(json.dumps({"reach_plain_final": reach, "equal_budget": equal_budget}, indent=1))
     for label, row in table.items():
         d = row["vs_plain_final"]
         print(f"| {label} | {row['accuracy']:.3f} [{row['ci_low']:.3f}, {row['ci_high']:.3f}] | {d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}] |")
 
 
-def figure(curves: dict, table: dict, final_accuracy: float, plain_final: int) -> None:
+def figure(curves: dict, table: dict, final_accuracy: float, plain_final: int, path: Path) -> None:
     from relex.plot import _pyplot, _save
 
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    colors = {"plain": "tab:blue", "jump-keep": "tab:red", "jump-reset": "tab:orange"}
+    colors = {"plain": "tab:blue", "jump-keep": "tab:red", "jump-reset": "tab:orange", "jump-m2": "tab:green"}
     for name, curve in curves.items():
         for ax, key in zip(axes, ("grpo_step", "rollouts")):
             xs = [p[key] for p in curve]
@@ -277,7 +283,7 @@ def figure(curves: dict, table: dict, final_accuracy: float, plain_final: int) -
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    _save(fig, FIGURES / "accelerate.png")
+    _save(fig, path)
 
 
 if __name__ == "__main__":
