@@ -18,5 +18,5 @@ python3 -c "import torch, transformers, trl, numba; print('torch', torch.__versi
 echo "== equality tests with CUDA present (device auto -> cuda)"
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_fit_extrapolate.py tests/test_gram_kernel.py tests/test_ties.py 2>&1 | tail -15 | tee "$OUT/cuda-tests.log"
 echo "== bench_fit, Qwen2.5-1.5B shapes, float32 deltas, CUDA"
-timeout "${BENCH_SECONDS:-200}" python3 scripts/bench_fit.py --shape qwen2.5-1.5b --device cuda --steps "${BENCH_STEPS:-3}" --repeats 1 --workdir /tmp/bench 2>&1 | tee "$OUT/bench-cuda.log" | tail -40
+timeout "${BENCH_SECONDS:-150}" python3 scripts/bench_fit.py --shape qwen2.5-1.5b --device cuda --steps "${BENCH_STEPS:-3}" --repeats 1 --workdir /tmp/bench 2>&1 | tee "$OUT/bench-cuda.log" | tail -40
 rm -rf /tmp/bench
