@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from relex.errors import RelexError
 from relex.fit import FitConfig
 from relex.io.atomic import atomic_output, check_output, write_json_atomic
-from relex.tasks.spec import as_task_spec
+from relex.settings import setting
+from relex.tasks.spec import TaskSpec, as_task_spec
+from relex.util import is_int
 
 LOG = logging.getLogger(__name__)
 
@@ -40,15 +42,22 @@ VALIDATION_DRAW_FACTOR = 2  # draw this many times n candidates, so that droppin
 
 @dataclass
 class SweepConfig:
-    targets: list[int]
-    task: object  # a TaskSpec, its mapping, or a name such as chain_sum
-    n: int = 64  # validation problems
-    method: str = "relex"
-    fit: FitConfig = field(default_factory=FitConfig)
-    max_new_tokens: int = 512
-    batch_size: int = 32
-    seed: int = 0
-    overwrite: bool = False
+    targets: list[int] = setting(help="target steps to compare, e.g. 100,200,400")
+    task: TaskSpec = setting(help="the task: a TaskSpec, its mapping, or a name such as chain_sum", parse=as_task_spec)
+    n: int = setting(64, "validation problems (disjoint from the test problems)")
+    method: str = setting("relex", "extrapolation method")
+    fit: FitConfig = setting(help="the fit's recipe and how it runs", factory=FitConfig)
+    max_new_tokens: int = setting(512, "completion length limit")
+    batch_size: int = setting(32, "sequences generated together")
+    seed: int = setting(0, "bootstrap seed")
+    overwrite: bool = setting(False, "replace an existing output folder")
+
+    def __post_init__(self) -> None:
+        self.task = as_task_spec(self.task)  # a bad task fails here, before the store is opened
+        if not is_int(self.n) or self.n < 1:
+            raise RelexError(f"--n {self.n}: validate on at least one problem")
+        if not self.targets:
+            raise RelexError("no target step: give --targets S1,S2,...")
 
 
 @dataclass
@@ -139,13 +148,6 @@ def write_checkpoints(store, out_dir: Path, config: SweepConfig) -> list:
     return extrapolate_store(store, out_dir / "checkpoints", extrapolate, fit)
 
 
-def check_config(config: SweepConfig) -> None:
-    if config.n < 1:
-        raise RelexError(f"--n {config.n}: validate on at least one problem")
-    if not config.targets:
-        raise RelexError("no target step: give --targets S1,S2,...")
-
-
 def sweep(store_dir: str | Path, out_dir: str | Path, config: SweepConfig, generator_factory=None) -> SweepResult:
     """Extrapolate to every target, evaluate each on validation problems, and recommend one."""
     from relex.evaluate import evaluate
@@ -153,7 +155,6 @@ def sweep(store_dir: str | Path, out_dir: str | Path, config: SweepConfig, gener
     from relex.fit.fit import observed_steps
     from relex.store import TrajectoryStore
 
-    check_config(config)
     out_dir = Path(out_dir)
     store = TrajectoryStore.open(store_dir)
     inputs = [store.path, store.base_dir]  # --overwrite never replaces the store or its base

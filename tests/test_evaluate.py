@@ -304,18 +304,19 @@ def test_task_names_become_task_specs():
 
 def test_flags_override_the_config_file_and_task_file(tmp_path):
     from relex.evaluate.config import load_eval_config
+    from relex.tasks import TaskSpec
 
     (tmp_path / "eval.yaml").write_text("checkpoints: [a, b]\ntask: chain_sum\nn: 50\nsamples: 8\ntemperature: 0.7\n")
     (tmp_path / "train.yaml").write_text("task:\n  source: reasoning_gym\n  name: chain_sum\n  eval_size: 40\nlr: 1\n")
     config = load_eval_config(str(tmp_path / "eval.yaml"), n=10, task_config='{"min_terms": 2}', checkpoints=[])
     assert (config.checkpoints, config.n, config.samples, config.temperature) == (["a", "b"], 10, 8, 0.7)
-    assert config.task_spec() == {"source": "reasoning_gym", "name": "chain_sum", "config": {"min_terms": 2}}
+    assert config.task_spec() == TaskSpec(source="reasoning_gym", name="chain_sum", config={"min_terms": 2})
     config = load_eval_config(task_file=str(tmp_path / "train.yaml"), checkpoints=["a"])
-    assert config.task_spec() == {"source": "reasoning_gym", "name": "chain_sum", "eval_size": 40}
+    assert config.task_spec() == TaskSpec(source="reasoning_gym", name="chain_sum", eval_size=40)
     assert config.settings() == {"n": None, "samples": 1, "temperature": 0.0, "seed": 0, "backend": "transformers",
                                  "batch_size": 32, "max_new_tokens": 512}
     (tmp_path / "bad.yaml").write_text("checkpoint: [a]\n")
-    with pytest.raises(RelexError, match="unknown eval setting.*checkpoint"):
+    with pytest.raises(RelexError, match="eval: unknown key 'checkpoint'; valid keys: n, samples, .*checkpoints"):
         load_eval_config(str(tmp_path / "bad.yaml"))
 
 
@@ -370,10 +371,11 @@ def test_n_larger_than_the_split(tiny_models, tmp_path, capsys):
 
 
 def test_task_without_held_out_split(tiny_models, tmp_path, capsys, monkeypatch):
+    import relex.evaluate.evaluation
     import relex.tasks
 
     train_only = relex.tasks.Task("planted", "exact", {"train": PlantedTask().rows("train"), "eval": []})
-    monkeypatch.setattr(relex.tasks, "load_task", lambda spec: train_only)
+    monkeypatch.setattr(relex.evaluate.evaluation, "load_task", lambda spec: train_only)
     out = tmp_path / "out"
     err = run_eval(capsys, str(tiny_models["base"]), "--task", "planted", "--out", str(out))
     assert "held-out" in err and "planted" in err

@@ -10,7 +10,8 @@ layer or lower ones, so the store never reaches up into the fit, nor the fit int
     fit                          Gram matrices and the rank-r fit
     store, verifiers, tasks      the trajectory store; rewards and problems
     io, models, synthetic        files, the embedded model, planted runs
-    errors, registry, ranks, util  shared by everything (ranks: the processes torchrun starts; util: small helpers)
+    errors, registry, ranks, settings, util   shared by everything (ranks: the processes torchrun starts; settings:
+                                 the settings base; util: small helpers)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ LAYERS = [
     {"fit"},
     {"store", "verifiers", "tasks"},
     {"io", "models", "synthetic"},
-    {"errors", "registry", "version", "ranks", "util"},
+    {"errors", "registry", "version", "ranks", "settings", "util"},
 ]
 PACKAGE = Path(__file__).resolve().parent.parent / "relex"
 

@@ -13,32 +13,26 @@ A task is a TaskSpec mapping, or a name: `chain_sum` / `reasoning_gym:chain_sum`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from relex.errors import RelexError
 from relex.evaluate.evaluation import EvalSettings
-from relex.tasks.spec import task_spec_from_name
+from relex.settings import load, read_yaml_mapping, setting
+from relex.tasks import TaskSpec, as_task_spec
 
 
 @dataclass(frozen=True)
 class EvalConfig(EvalSettings):
-    checkpoints: list[str] = field(default_factory=list)
-    task: dict | str | None = None  # a TaskSpec mapping or a task name
-    task_config: dict | None = None  # overrides the spec's `config`
-    out: str | None = None  # None: runs/eval/TASK-YYYYmmdd-HHMMSS
-    overwrite: bool = False
-
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> "EvalConfig":
-        mapping = read_yaml_mapping(path)
-        unknown = set(mapping) - {f.name for f in fields(cls)}
-        if unknown:
-            valid = ", ".join(f.name for f in fields(cls))
-            raise RelexError(f"{path}: unknown eval setting(s) {', '.join(sorted(unknown))}; valid: {valid}")
-        return cls(**mapping)
+    checkpoints: list[str] = setting(help="model folders, hub ids, aliases or STORE@STEP; compared with the first",
+                                     factory=list)
+    task: TaskSpec | dict | str | None = setting(None, "a TaskSpec mapping or a task name")
+    task_config: dict | None = setting(None, "the task's config, replacing the spec's `config`")
+    out: str | None = setting(None, "output folder, new or empty (default runs/eval/TASK-YYYYmmdd-HHMMSS)")
+    overwrite: bool = setting(False, "replace a non-empty output folder")
 
     def validate(self) -> None:
         super().validate()
@@ -46,37 +40,22 @@ class EvalConfig(EvalSettings):
             raise RelexError("no checkpoint to evaluate: name one or more (folders, hub ids or STORE@STEP)")
         if self.task is None:
             raise RelexError("no task: pass --task NAME or --task-file FILE")
+        self.task_spec()  # a bad task fails now, before any checkpoint is opened
 
-    def task_spec(self) -> dict:
-        spec = task_spec_from_name(self.task) if isinstance(self.task, str) else dict(self.task)
-        if self.task_config is not None:
-            spec["config"] = dict(self.task_config)
-        return spec
+    def task_spec(self) -> TaskSpec:
+        """The task (`as_task_spec`), with `task_config` as its config when given."""
+        spec = as_task_spec(self.task)
+        return spec if self.task_config is None else dataclasses.replace(spec, config=dict(self.task_config))
 
     def out_dir(self) -> Path:
         if self.out is not None:
             return Path(self.out)
-        name = self.task_spec()["name"]
+        name = self.task_spec().name
         return Path("runs") / "eval" / f"{Path(name).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
     def settings(self) -> dict:
         """The keyword arguments of `relex.evaluate.evaluate` that configure generation and statistics."""
         return {f.name: getattr(self, f.name) for f in fields(EvalSettings)}
-
-
-def read_yaml_mapping(path: str | Path) -> dict:
-    import yaml
-
-    path = Path(path)
-    if not path.is_file():
-        raise RelexError(f"{path}: no such file")
-    try:
-        mapping = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        raise RelexError(f"{path}: not valid YAML ({error})") from None
-    if not isinstance(mapping, dict):
-        raise RelexError(f"{path}: expected a mapping of settings at the top level")
-    return mapping
 
 
 def task_spec_from_file(path: str | Path) -> dict:
@@ -107,8 +86,8 @@ def load_eval_config(
     task_config: str | None = None,
     **flags,
 ) -> EvalConfig:
-    """The file's settings (if any) with every flag that was given (not None) on top."""
-    config = EvalConfig.from_yaml(config_file) if config_file else EvalConfig()
+    """The file's settings (if any) with every flag that was given (not None) on top, checked once together."""
+    data = read_yaml_mapping(config_file) if config_file else {}
     overrides = {name: value for name, value in flags.items() if value not in (None, [])}
     if task_file is not None:
         if "task" in overrides:
@@ -116,4 +95,4 @@ def load_eval_config(
         overrides["task"] = task_spec_from_file(task_file)
     if task_config is not None:
         overrides["task_config"] = parse_task_config(task_config)
-    return replace(config, **overrides)
+    return load(EvalConfig, {**data, **overrides}, "eval")

@@ -26,6 +26,9 @@ import numpy as np
 from relex.errors import RelexError
 from relex.evaluate import metrics
 from relex.evaluate.generate import Completion, Generator, check_backend, load_generator
+from relex.settings import setting
+from relex.tasks import as_task_spec, load_task
+from relex.util import is_int, is_positive_int
 
 LOG = logging.getLogger(__name__)
 
@@ -37,27 +40,32 @@ GeneratorFactory = Callable[[str], ContextManager[Generator]]
 
 @dataclass(frozen=True)
 class EvalSettings:
-    n: int | None = None  # problems from the held-out split; None: all of them
-    samples: int = 1  # sampled completions per problem (besides the greedy one); > 1 needs a temperature
-    temperature: float = 0.0
-    seed: int = 0
-    backend: str = "transformers"
-    batch_size: int = 32
-    max_new_tokens: int = 512
+    """How completions are generated and summarised; checked when made (`validate`)."""
+
+    n: int | None = setting(None, "held-out problems to evaluate (default: the whole eval split)")
+    samples: int = setting(1, "K sampled completions per problem for pass@k and maj@K (K > 1 needs a temperature)")
+    temperature: float = setting(0.0, "sampling temperature of the K samples")
+    seed: int = setting(0, "sampling and bootstrap seed")
+    backend: str = setting("transformers", "generation backend")
+    batch_size: int = setting(32, "sequences generated together")
+    max_new_tokens: int = setting(512, "completion length limit")
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     def validate(self) -> None:
-        if self.n is not None and self.n < 1:
+        if self.n is not None and (not is_int(self.n) or self.n < 1):
             raise RelexError(f"--n {self.n}: evaluate at least one problem")
-        if self.samples < 1:
+        if not is_int(self.samples) or self.samples < 1:
             raise RelexError(f"--samples {self.samples}: need at least 1")
-        if self.temperature < 0:
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             raise RelexError(f"--temperature {self.temperature}: must be >= 0")
         if self.samples > 1 and self.temperature == 0:
             raise RelexError(
                 f"--samples {self.samples} needs --temperature T > 0 (e.g. 0.7): "
                 f"greedy decoding would give {self.samples} identical completions"
             )
-        if self.batch_size < 1 or self.max_new_tokens < 1:
+        if not is_positive_int(self.batch_size) or not is_positive_int(self.max_new_tokens):
             raise RelexError(f"--batch-size {self.batch_size}, --max-new-tokens {self.max_new_tokens}: must be >= 1")
         check_backend(self.backend)
 
@@ -161,8 +169,7 @@ def evaluate(
     from relex.evaluate.checkpoints import checkpoint_inputs
     from relex.evaluate.report import check_out_dir, write_outputs
 
-    settings = EvalSettings(n, samples, temperature, seed, backend, batch_size, max_new_tokens)
-    settings.validate()
+    settings = EvalSettings(n, samples, temperature, seed, backend, batch_size, max_new_tokens)  # checked here
     if not checkpoints:
         raise RelexError("no checkpoint to evaluate")
     if out_dir is not None:
@@ -184,8 +191,6 @@ def loaded_task(task) -> tuple[object, dict]:
     """The task, loaded from its spec when given one, and what the summary records about it."""
     spec = None
     if not hasattr(task, "rows"):
-        from relex.tasks import as_task_spec, load_task
-
         spec = as_task_spec(task)
         task = load_task(spec)
     return task, {"name": task.name, "verifier": task.verifier, "spec": None if spec is None else asdict(spec)}
