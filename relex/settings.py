@@ -189,6 +189,7 @@ def _flag_options(f: dataclasses.Field, hint: Any) -> dict[str, Any]:
         default = f.default_factory()
     shown = ",".join(map(str, default)) if is_list else default
     help = f.metadata.get("help", "") + (f" (default {shown})" if shown not in (None, "", []) else "")
+    help = help.replace("%", "%%")  # argparse formats help with %
     if kind is bool:
         return {"action": argparse.BooleanOptionalAction, "help": help}
     if is_list:
