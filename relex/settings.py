@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+import yaml
+
 from relex.errors import RelexError
 from relex.util import comma_list, is_int
 
@@ -39,8 +41,8 @@ T = TypeVar("T")
 
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
             parse: Callable[[Any], Any] | None = None) -> Any:
-    """A dataclass field with help text; `factory` for mutable defaults; `parse` turns a loaded shorthand into
-    the field's value (it receives the raw value, None included, and may raise RelexError)."""
+    """A dataclass field with help text; `factory` for mutable defaults; `parse(raw)` turns what a mapping gives
+    (a shorthand such as a task name) into the field's value, or raises RelexError."""
     metadata = {"help": help, "parse": parse}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=metadata)
@@ -149,8 +151,6 @@ def _is_a(value: Any, kind: type) -> bool:
 
 def read_yaml_mapping(path: str | Path) -> dict:
     """The mapping at the top of a YAML file, refused in one line when the file is missing or not such a mapping."""
-    import yaml
-
     path = Path(path)
     if not path.is_file():
         raise RelexError(f"{path}: no such file")
@@ -193,7 +193,7 @@ def _flag_options(f: dataclasses.Field, hint: Any) -> dict[str, Any]:
     if kind is bool:
         return {"action": argparse.BooleanOptionalAction, "help": help}
     if is_list:
-        return {"type": functools.partial(_comma_values, cast=kind), "metavar": "A,B", "help": help}
+        return {"type": comma_separated(kind), "metavar": "A,B", "help": help}
     return {"type": kind, "help": help}
 
 
@@ -207,11 +207,19 @@ def _flag_kind(f: dataclasses.Field, hint: Any) -> tuple[type, bool]:
     raise TypeError(f"field {f.name!r} of type {hint} has no command-line flag; set it in the config file")
 
 
-def _comma_values(text: str, cast: type) -> list:
-    values = [cast(part) for part in comma_list(text)]  # argparse reports a ValueError as an invalid value
-    if not values:
-        raise ValueError(f"no value in {text!r}")
-    return values
+def comma_separated(cast: type) -> Callable[[str], list]:
+    """An argparse `type` reading `1.5,2,3` as a non-empty list of `cast` values."""
+
+    def read(text: str) -> list:
+        try:
+            values = [cast(part) for part in comma_list(text)]
+        except ValueError:
+            values = []
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {cast.__name__} values, e.g. 1,2; got {text!r}")
+        return values
+
+    return read
 
 
 def overrides(args: argparse.Namespace, cls: type, only: Iterable[str] | None = None) -> dict[str, Any]:

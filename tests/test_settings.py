@@ -172,7 +172,7 @@ def test_flags_round_trip(config):
 
 
 def test_a_bad_flag_value_and_a_field_without_a_flag():
-    with pytest.raises(argparse.ArgumentError, match="--alphas"):
+    with pytest.raises(argparse.ArgumentError, match="--alphas: expected comma-separated float values, e.g. 1,2; got '2,x'"):
         parser_for(AccelerateConfig, only=["alphas"]).parse_args(["--alphas", "2,x"])
     with pytest.raises(TypeError, match="field 'inner'.*has no command-line flag"):
         parser_for(Outer, only=["inner"])
