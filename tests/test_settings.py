@@ -196,7 +196,7 @@ def test_one_function_turns_a_name_or_a_mapping_into_a_task_spec():
     assert as_task_spec("data/problems.jsonl") == TaskSpec(source="jsonl", name="data/problems.jsonl")
     assert as_task_spec(spec) is spec
     # every command goes through it
-    assert TrainConfig.from_dict({"task": "chain_sum"}).task == spec
+    assert TrainConfig.from_dict({"task": "chain_sum"}).task == TrainConfig(task="chain_sum").task == spec
     assert SweepConfig(targets=[20], task=TASK).task == spec
     assert EvalConfig(checkpoints=["a"], task="chain_sum", task_config={"min_terms": 2}).task_spec() == \
         TaskSpec(source="reasoning_gym", name="chain_sum", config={"min_terms": 2})

@@ -10,7 +10,8 @@
 
 `grpo` is passed to TRL's `GRPOConfig` on top of relex's CPU-friendly defaults (`GRPO_DEFAULTS`); its keys are
 checked against `GRPOConfig`'s fields, and the keys relex sets itself (`RESERVED_GRPO`) are refused with where to
-set them instead. Every section refuses unknown keys, naming the valid ones, so a typo fails before training.
+set them instead. Every section is loaded by `relex.settings.load`, which refuses unknown keys naming the valid
+ones, so a typo fails before training.
 """
 
 from __future__ import annotations
@@ -155,6 +156,7 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
+        self.task = as_task_spec(self.task)  # TrainConfig(task="chain_sum") works as the file's `task: chain_sum`
         if self.reward.verifier and not self.task.verifier:
             self.task.verifier = self.reward.verifier  # so that `relex eval --task-file` scores with the same verifier
 
