@@ -13,12 +13,12 @@ from pathlib import Path
 from statistics import median
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from relex.errors import RelexError
 from relex.extrapolate.methods import Plan, get_method
 from relex.fit.fit import FitConfig, validate
-from relex.fit.gram import resolve_device, tensor_grams
+from relex.fit.gram import GRAM, resolve_device
+from relex.fit.passes import Consumer, PassBudget, plan_pass, run_pass
 from relex.fit.trajectory_fit import fit_tensor
 from relex.io.atomic import write_json_atomic
 from relex.store import TrajectoryStore
@@ -74,6 +74,30 @@ def _direction(gram: np.ndarray) -> tuple[np.ndarray, float]:
     return vectors[:, -1], float(np.sqrt(max(values[-1], 0.0)))
 
 
+class _Errors(Consumer):
+    """The backtest's consumer of a pass: from each tensor's Gram over all steps, the squared errors of every
+    method's prediction of every later step, and the drift of its rank-1 direction."""
+
+    def __init__(self, result: BacktestResult, plan: Plan, methods: dict, config: FitConfig, steps: list[int]):
+        self.result, self.plan, self.methods, self.config, self.steps = result, plan, methods, config, steps
+        self.needs_fit = any(m.needs_fit for m in methods.values())
+
+    def gram(self, name: str, gram: np.ndarray) -> None:
+        p, n, group = len(self.plan.steps), len(self.steps), module_type(name)
+        g_pp = gram[:p, :p]
+        fit = fit_tensor(name, self.plan.steps, g_pp, self.config.rank, self.plan.model, self.plan.window) if self.needs_fit else None
+        for method_name, method in self.methods.items():
+            w = method.weights(self.plan, np.asarray(self.result.later), fit)
+            for row, m in zip(w, range(p, n)):
+                err = float(row @ g_pp @ row - 2 * row @ gram[:p, m] + gram[m, m])
+                cell = self.result.errors[method_name][self.steps[m]].setdefault(group, [0.0, 0.0])
+                cell[0] += max(err, 0.0)
+                cell[1] += float(gram[m, m])
+        if gram[0, 0] > 0 and gram[p:, p:].trace() > 0:
+            (u_early, s_early), (u_late, s_late) = _direction(g_pp), _direction(gram[p:, p:])
+            self.result.drift[name] = abs(float(u_early @ gram[:p, p:] @ u_late)) / (s_early * s_late)
+
+
 def backtest_store(
     store: TrajectoryStore, observe_until: int, methods: list[str], config: FitConfig, grams: dict[str, np.ndarray] | None = None
 ) -> BacktestResult:
@@ -90,25 +114,17 @@ def backtest_store(
         if not method.extrapolates:
             raise RelexError(f"method {method.name!r} predicts observed steps only; backtest compares extrapolations")
         method.check(plan, later)
-    p, n = len(prefix), len(steps)
-    device = resolve_device(config.device)
-    reader = store.reader(steps, direct=store.reads_direct(config.io))
     result = BacktestResult(prefix, later, list(methods), {m: {s: {} for s in later} for m in methods})
+    errors = _Errors(result, plan, method_objs, config, steps)
     names = store.trajectory_names
-    stream = ((name, grams[name]) for name in names) if grams is not None else tensor_grams(reader, names, device, config.chunk_elements)
-    for name, gram in tqdm(stream, desc="backtest: Gram matrices", unit="tensor", total=len(names), leave=False, disable=None):
-        g_pp, group = gram[:p, :p], module_type(name)
-        fit = fit_tensor(name, plan.steps, g_pp, config.rank, plan.model, plan.window) if any(m.needs_fit for m in method_objs.values()) else None
-        for method_name, method in method_objs.items():
-            w = method.weights(plan, np.asarray(later), fit)
-            for row, m in zip(w, range(p, n)):
-                err = float(row @ g_pp @ row - 2 * row @ gram[:p, m] + gram[m, m])
-                cell = result.errors[method_name][steps[m]].setdefault(group, [0.0, 0.0])
-                cell[0] += max(err, 0.0)
-                cell[1] += float(gram[m, m])
-        if gram[0, 0] > 0 and gram[p:, p:].trace() > 0:
-            (u_early, s_early), (u_late, s_late) = _direction(g_pp), _direction(gram[p:, p:])
-            result.drift[name] = abs(float(u_early @ gram[:p, p:] @ u_late)) / (s_early * s_late)
+    if grams is not None:
+        for name in names:
+            errors.gram(name, grams[name])
+        return result
+    reader = store.reader(steps, direct=store.reads_direct(config.io))
+    device = resolve_device(config.device)
+    reads = plan_pass(reader, names, grams=names, budget=PassBudget(chunk_elements=config.chunk_elements), device=device)
+    run_pass(reader, reads, [errors], GRAM, desc="backtest: Gram matrices")
     return result
 
 

@@ -45,7 +45,6 @@ from relex.extrapolate.extrapolate import (
     _config_dtype,
     _Pass,
     _provenance,
-    check_finite,
     extrapolation_inputs,
     output_layout,
 )
@@ -204,7 +203,6 @@ def extrapolate_across_ranks(
             mine = {name for i in share for name, _ in shards[i]}
             needed = {store.tied.get(name, name) for name in mine}
             state = _Pass(store, out_dir, config, fit, reads=needed & set(store.trajectory_names))
-            hold.callback(state.close)
             assert state.layout == layout, "the output layout differs from the one the shards were planned on"
             if tmp is not None:
                 for report in state.reports:
@@ -230,44 +228,28 @@ def write_share(state: _Pass, tmp: Path, shards: list, share: list[int], mine: s
     """Write the shard files `share` of every target into `tmp/step-S/`, computing each tensor as `_Pass` does."""
     names = shard_names(len(shards))
     shard_of = {name: i for i in share for name, _ in shards[i]}
-    needed = {state.tied.get(name, name) for name in mine}
-    aliased = {state.tied[name] for name in mine if name in state.tied}  # kept whole for their aliases
     open_writers: dict[tuple[int, int], StreamingSafetensorsWriter] = {}
-    cached: dict[str, list[torch.Tensor]] = {}  # a tied tensor's outputs, for its aliases
 
-    def write(target: int, name: str, values: torch.Tensor) -> None:
-        key = (target, shard_of[name])
-        if key not in open_writers:
-            folder = tmp / f"step-{state.config.targets[target]}"  # the folder _Pass names TargetReport.path
-            open_writers[key] = StreamingSafetensorsWriter(folder / names[key[1]], shards[key[1]], {"format": "pt"})
-        writer = open_writers[key]
-        writer.write(name, values)
-        if writer.complete:
-            writer.close()
-            del open_writers[key]
+    def write(name: str, outputs: list[torch.Tensor]) -> None:
+        if name not in mine:  # computed for an alias of this rank's
+            return
+        for target, values in enumerate(outputs):
+            key = (target, shard_of[name])
+            if key not in open_writers:
+                folder = tmp / f"step-{state.config.targets[target]}"  # the folder _Pass names TargetReport.path
+                open_writers[key] = StreamingSafetensorsWriter(folder / names[key[1]], shards[key[1]], {"format": "pt"})
+            writer = open_writers[key]
+            writer.write(name, values)
+            if writer.complete:
+                writer.close()
+                del open_writers[key]
+
+    def begin(name: str) -> None:
+        for tally in state.reports:
+            tally.begin(name)
 
     try:
-        for name, info in state.layout:
-            if name not in mine and name not in needed:
-                continue
-            alias_of = state.tied.get(name)
-            if alias_of is not None and alias_of in cached:
-                outputs = cached[alias_of]
-                for k, values in enumerate(outputs):
-                    write(k, name, values)
-                continue
-            for tally in state.reports:
-                tally.begin(alias_of or name)
-            parts: list[list[torch.Tensor]] = [[] for _ in state.config.targets]
-            for _, outputs in state.tensor_outputs(name, info):
-                for k, values in enumerate(outputs):
-                    check_finite(name, values, state.config.targets[k])
-                    if name in mine:
-                        write(k, name, values)
-                    if name in aliased:
-                        parts[k].append(values)
-            if name in aliased:
-                cached[name] = [torch.cat([p.reshape(-1) for p in part]).reshape(info.shape) for part in parts]
+        state.run(write, wanted=mine, begin=begin)
     except BaseException:
         for writer in open_writers.values():
             writer.abort()

@@ -166,28 +166,33 @@ def fit_step_indices(store_steps: list[int], fit_steps: np.ndarray) -> np.ndarra
 
 
 def coefficient_series(store, fit, names: list[str]) -> list[CoefficientSeries]:
-    """c₁ at every recorded step: G[all, fit] u₁ / σ₁, from one Gram pass over all steps per tensor."""
-    from relex.fit.gram import resolve_device, tensor_grams
+    """c₁ at every recorded step: G[all, fit] u₁ / σ₁, from one Gram pass over all steps for the plotted tensors."""
+    from relex.fit.gram import GRAM, resolve_device
+    from relex.fit.passes import GramCollector, PassBudget, plan_pass, run_pass
 
     steps = store.steps
     fit_index = fit_step_indices(steps, fit.steps)
-    reader = store.reader(steps, direct=store.reads_direct(fit.config.io))
-    device = resolve_device(fit.config.device)
-    out = []
     live = []
     for name in names:
         if fit.tensors[name].is_zero:
             LOG.warning("tensor %s: its trajectory is all zero; nothing to plot", name)
         else:
             live.append(name)
-    for name, gram in tensor_grams(reader, live, device, fit.config.chunk_elements):
-        tensor = fit.tensors[name]
-        coefficient = gram[:, fit_index] @ tensor.u[:, 0] / tensor.sigma[0]
-        observed = np.isin(np.arange(len(steps)), fit_index)
-        in_window = np.isin(np.arange(len(steps)), fit_index[tensor.window])
-        r2 = tensor.r2[0] if tensor.r2 else float("nan")
-        out.append(CoefficientSeries(name, np.asarray(steps), coefficient, observed, in_window, tensor.explained_variance(fit.config.rank), r2))
-    return out
+    reader = store.reader(steps, direct=store.reads_direct(fit.config.io))
+    grams = GramCollector()
+    budget = PassBudget(chunk_elements=fit.config.chunk_elements)
+    run_pass(reader, plan_pass(reader, live, grams=live, budget=budget, device=resolve_device(fit.config.device)), [grams], GRAM)
+    return [_projection(name, gram, fit, steps, fit_index) for name, gram in grams.grams.items()]
+
+
+def _projection(name: str, gram: np.ndarray, fit, steps: list[int], fit_index: np.ndarray) -> CoefficientSeries:
+    """One tensor's series: its coefficient at every recorded step from its Gram over all of them."""
+    tensor = fit.tensors[name]
+    coefficient = gram[:, fit_index] @ tensor.u[:, 0] / tensor.sigma[0]
+    observed = np.isin(np.arange(len(steps)), fit_index)
+    in_window = np.isin(np.arange(len(steps)), fit_index[tensor.window])
+    r2 = tensor.r2[0] if tensor.r2 else float("nan")
+    return CoefficientSeries(name, np.asarray(steps), coefficient, observed, in_window, tensor.explained_variance(fit.config.rank), r2)
 
 
 def _short(name: str) -> str:

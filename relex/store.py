@@ -476,7 +476,7 @@ class Block(NamedTuple):
 
     name: str
     rows: tuple[int, int] | None = None
-    gram: bool = False  # also form this block's Gram contribution M Mᵀ in the reader thread
+    gram: bool = False  # the caller's per-block work runs on this block (a Gram, for relex.fit), in whichever thread is idle
 
 
 class TrajectoryReader:
@@ -484,7 +484,9 @@ class TrajectoryReader:
 
     Values go from the files straight into their destination (`read_into`), without an intermediate copy.
     `stream` reads a planned sequence of blocks in background threads into a few reused buffers, so reading
-    (which on a cold page cache is mostly kernel time) runs on its own core while the caller computes.
+    (which on a cold page cache is mostly kernel time) runs on its own core while the caller computes. The
+    reader does no arithmetic beyond θ_s − θ₀ for referenced checkpoints; what is computed from the blocks, and
+    how the reads are planned, is relex.fit.passes's.
     """
 
     def __init__(self, store: TrajectoryStore, steps: list[int], direct: bool = False):
@@ -505,6 +507,11 @@ class TrajectoryReader:
                 raise self.store.missing_reference(folder, f"the checkpoint of step {entry.step}")
             return open_checkpoint(folder, self.direct)  # safetensors, or verl's unmerged shards
         return CheckpointReader.from_file(self.store.path / entry.path, self.direct)
+
+    @property
+    def referenced(self) -> bool:
+        """Whether any step is a checkpoint read in place (its values are θ_s, and θ₀ is subtracted per block)."""
+        return any(entry.kind == "checkpoint" for entry in self.entries)
 
     # ---- which rows ------------------------------------------------------------------------------------------------
     def row_blocks(self, name: str, max_elements: int) -> list[tuple[int, int] | None]:
@@ -537,10 +544,10 @@ class TrajectoryReader:
         """Fill `out` (float32, T × numel of `rows`, each row contiguous, e.g. a column slice of a larger matrix).
 
         Values are not checked here (a scan would cost more than the read): a NaN or Inf reaches the caller's
-        arithmetic, which refuses it (the Gram's diagonal, relex.fit.gram; the weighted sum, relex.extrapolate).
+        arithmetic, which refuses it (the Gram's diagonal, relex.fit.gram; the weighted sum, relex.fit.passes).
         """
-        base_f32 = None
         expected = self.infos[name].shape
+        base_f32 = None
         for i, (entry, source) in enumerate(zip(self.entries, self._sources)):
             row = out[i]
             info = source.info(name)
@@ -556,65 +563,87 @@ class TrajectoryReader:
                 row.sub_(base_f32)
 
     def stream(
-        self, blocks: Sequence[Block], device: torch.device | None = None, readers: int | None = None, gram=None
-    ) -> Iterator[tuple[Block, torch.Tensor, torch.Tensor | None]]:
-        """(block, M restricted to its rows, its Gram M Mᵀ or None) for each planned block, in order.
+        self, blocks: Sequence[Block], device: torch.device | None = None, readers: int | None = None, gram=None,
+        *, work: Callable[[Block, torch.Tensor], object] | None = None, buffers: Sequence[torch.Tensor] | None = None,
+    ) -> Iterator[tuple[Block, torch.Tensor, object]]:
+        """(block, M restricted to its rows, `work(block, M)` or None) for each planned block, in order.
 
-        Background threads (`readers`, default STREAM_READERS) read ahead, so reading runs on its own core while
-        the caller computes on the others. The Gram of a block that asks for it (`Block.gram`) is formed on
-        `device` by whichever side would otherwise wait: a reader when the caller is behind, the caller when it
-        is waiting for reads.
-        Each matrix is a view of a reused buffer and stays valid only until the next one is asked for. An error
-        while reading (a changed checkpoint, a short file) is raised here, at the block it concerns.
-        `gram` is the caller's Gram arithmetic, with `prepare(device)` and `chunk_gram(matrix, device)`
-        (relex.fit.gram.GRAM): the store reads, the fit computes, and neither imports the other's layer upward.
+        Background threads (`readers`, default STREAM_READERS) read ahead into `buffers` (flat float32 tensors,
+        reused in turn; by default as many as fit in STREAM_BYTES, at least 2), so reading runs on its own core
+        while the caller computes. `work` is the caller's arithmetic for a block that asks for it (`Block.gram`):
+        it runs in whichever thread would otherwise wait, a reader when the caller is behind, the caller when it
+        is waiting for reads. `gram` is its older form, the Gram on `device` (relex.fit.gram.GRAM: `prepare`
+        and `chunk_gram`).
+        Each matrix is a view of a buffer and stays valid only until the next one is asked for. An error while
+        reading (a changed checkpoint, a short file) is raised here, at the block it concerns.
         """
-        device = device or torch.device("cpu")
         blocks = list(blocks)
-        if any(block.gram for block in blocks):  # load the Gram kernel while the first reads run
-            if gram is None:
-                raise ValueError("TrajectoryReader.stream: blocks ask for Gram matrices but no `gram` arithmetic was given")
-            chunk_gram, prepare = gram.chunk_gram, gram.prepare
-            threading.Thread(target=prepare, args=(device,), name="relex-prepare", daemon=True).start()
-        steps = len(self.entries)
-        size = max((steps * self.block_numel(b.name, b.rows) for b in blocks), default=0)
-        free: queue.Queue = queue.Queue()
-        for _ in range(max(2, min(STREAM_BUFFERS, STREAM_BYTES // max(1, 4 * size)))):
-            free.put(torch.empty(size, dtype=torch.float32))
-        # workers take the next block and a free buffer together, in block order, so the block the caller waits
-        # for always gets a buffer before later ones; finished blocks wait in `done` until the caller takes them
-        claim = threading.Lock()
-        done: dict[int, tuple] = {}
-        finished = threading.Condition()
-        position = iter(range(len(blocks)))
-        stop = threading.Event()
-
-        def work() -> None:
-            torch.set_num_threads(1)  # per thread: this one's products stay on its own core
-            while True:
-                with claim:
-                    k = next(position, None)
-                    buffer = free.get() if k is not None else None
-                if k is None or buffer is None or stop.is_set():
-                    return
-                block = blocks[k]
-                try:
-                    matrix = buffer[: steps * self.block_numel(block.name, block.rows)].view(steps, -1)
-                    self.read_into(block.name, matrix, block.rows)
-                    with finished:
-                        caller_busy = bool(done)  # blocks it has not taken yet: this thread has time to spare
-                    gram = chunk_gram(matrix, device) if block.gram and caller_busy else None
-                    item = (buffer, matrix, gram)
-                except BaseException as error:  # handed to the caller, raised where it reads
-                    item = (None, error, None)
-                with finished:
-                    done[k] = item
-                    finished.notify_all()
-                if item[0] is None:
-                    return
-
+        if gram is not None:
+            work = _gram_work(gram, device or torch.device("cpu"))
+        if work is None and any(block.gram for block in blocks):
+            raise ValueError("TrajectoryReader.stream: blocks ask for per-block work but no `work` was given")
+        if buffers is None:
+            largest = max((len(self.entries) * self.block_numel(b.name, b.rows) for b in blocks), default=0)
+            count = max(2, min(STREAM_BUFFERS, STREAM_BYTES // max(1, 4 * largest)))
+            buffers = [torch.empty(largest, dtype=torch.float32) for _ in range(count)]
         count = max(1, min(readers or STREAM_READERS, len(blocks)))
-        workers = [threading.Thread(target=work, name="relex-reader", daemon=True) for _ in range(count)]
+        return _ReadAhead(self, blocks, work, buffers, count).items()
+
+
+def _gram_work(gram, device: torch.device) -> Callable[[Block, torch.Tensor], torch.Tensor]:
+    """`stream`'s per-block work from Gram arithmetic with `prepare(device)` and `chunk_gram(matrix, device)`."""
+    threading.Thread(target=gram.prepare, args=(device,), name="relex-prepare", daemon=True).start()  # while reads run
+    return lambda block, matrix: gram.chunk_gram(matrix, device)
+
+
+class _ReadAhead:
+    """The threads of one `TrajectoryReader.stream`: they take the next block and a free buffer together, in block
+    order (so the block the caller waits for always gets a buffer before later ones), read it, and leave it in
+    `done` until the caller takes it; the caller hands the buffer back when it asks for the next block."""
+
+    def __init__(self, reader: TrajectoryReader, blocks: list[Block], work, buffers: Sequence[torch.Tensor], threads: int):
+        self.reader, self.blocks, self.work, self.threads = reader, blocks, work, threads
+        self.free: queue.Queue = queue.Queue()
+        for buffer in buffers:
+            self.free.put(buffer)
+        self.claim = threading.Lock()
+        self.done: dict[int, tuple] = {}
+        self.finished = threading.Condition()
+        self.position = iter(range(len(blocks)))
+        self.stop = threading.Event()
+
+    def _next_job(self) -> tuple[int | None, torch.Tensor | None]:
+        with self.claim:
+            k = next(self.position, None)
+            return k, (self.free.get() if k is not None else None)
+
+    def _read(self, k: int, buffer: torch.Tensor) -> tuple:
+        """(buffer, matrix, work result or None) for block k; (None, error, None) when reading it failed."""
+        block, steps = self.blocks[k], len(self.reader.entries)
+        try:
+            matrix = buffer[: steps * self.reader.block_numel(block.name, block.rows)].view(steps, -1)
+            self.reader.read_into(block.name, matrix, block.rows)
+            with self.finished:
+                caller_busy = bool(self.done)  # blocks it has not taken yet: this thread has time to spare
+            return buffer, matrix, (self.work(block, matrix) if block.gram and caller_busy else None)
+        except BaseException as error:  # handed to the caller, raised where it reads
+            return None, error, None
+
+    def _run(self) -> None:
+        torch.set_num_threads(1)  # per thread: this one's products stay on its own core
+        while True:
+            k, buffer = self._next_job()
+            if k is None or buffer is None or self.stop.is_set():
+                return
+            item = self._read(k, buffer)
+            with self.finished:
+                self.done[k] = item
+                self.finished.notify_all()
+            if item[0] is None:
+                return
+
+    def items(self) -> Iterator[tuple[Block, torch.Tensor, object]]:
+        workers = [threading.Thread(target=self._run, name="relex-reader", daemon=True) for _ in range(self.threads)]
         torch_threads = torch.get_num_threads()
         if torch_threads > 1:  # the readers take a core; compute gets the others
             torch.set_num_threads(torch_threads - 1)
@@ -622,22 +651,21 @@ class TrajectoryReader:
             worker.start()
         held = None
         try:
-            for k, block in enumerate(blocks):
+            for k, block in enumerate(self.blocks):
                 if held is not None:
-                    free.put(held)
-                    held = None
-                with finished:
-                    finished.wait_for(lambda k=k: k in done)
-                    held, matrix, gram = done.pop(k)
+                    self.free.put(held)
+                with self.finished:
+                    self.finished.wait_for(lambda k=k: k in self.done)
+                    held, matrix, result = self.done.pop(k)
                 if held is None:
                     raise matrix
-                if block.gram and gram is None:
-                    gram = chunk_gram(matrix, device)
-                yield block, matrix, gram
+                if block.gram and result is None:
+                    result = self.work(block, matrix)
+                yield block, matrix, result
         finally:
-            stop.set()
+            self.stop.set()
             for _ in workers:
-                free.put(None)  # wakes workers waiting for a buffer
+                self.free.put(None)  # wakes workers waiting for a buffer
             for worker in workers:
                 worker.join()
             torch.set_num_threads(torch_threads)

@@ -2,27 +2,25 @@
 
 For each tensor, in order: its weights (targets × T) come from the method (and the rank-r fit, computed here
 from the Gram when no FIT is given), then out = θ₀ + W · M is formed block by block and streamed into one Hugging
-Face folder per target (`OUT/step-<S>/`). A trajectory that fits in `cache_elements` is read once, whole, for both
-the Gram and the weighted sum; a larger one is read twice, one block of T × rows values at a time. Every read of
-the pass is planned up front and runs ahead in the reader's background thread (`TrajectoryReader.stream`).
+Face folder per target (`OUT/step-<S>/`). The pass is relex.fit.passes's: it plans every read up front (a
+trajectory that fits in `cache_elements` is read once, whole, for both the Gram and the weighted sum; a larger one
+twice, one block of T × rows values at a time), and hands each tensor's Gram and W · M to `_Outputs`, which turns
+them into output blocks in the layout's order.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from relex import __version__
 from relex.errors import RelexError
@@ -42,18 +40,19 @@ from relex.fit.fit import (
     validate,
     window_indices,
 )
-from relex.fit.gram import GRAM, check_finite_gram, non_finite_message, resolve_device
-from relex.fit.trajectory_fit import TensorFit, fit_tensor
+from relex.fit.gram import GRAM, resolve_device
+from relex.fit.passes import DEFAULT_HOLD_ELEMENTS, Consumer, PassBudget, plan_pass, run_pass
+from relex.fit.trajectory_fit import fit_tensor
 from relex.io.atomic import atomic_output, check_output, write_lock
 from relex.io.checkpoint import CheckpointReader, TensorInfo, read_config
 from relex.io.dtypes import dtype_name, parse_dtype
 from relex.io.hf_folder import HFFolderWriter, model_order, parse_size
-from relex.store import Block, TrajectoryStore
+from relex.store import TrajectoryStore
 from relex.util import comma_list, module_type, most_common_float_dtype
 
 LOG = logging.getLogger(__name__)
 
-DEFAULT_CACHE_ELEMENTS = 2**27  # 512 MiB of float32: a trajectory up to this size is read once, not twice
+DEFAULT_CACHE_ELEMENTS = DEFAULT_HOLD_ELEMENTS  # a trajectory up to this size is read once, not twice
 
 
 @dataclass
@@ -107,7 +106,8 @@ def output_layout(
 
 
 class _Pass:
-    """State of one extrapolation pass: the writers of every target and how each tensor is computed."""
+    """One extrapolation: the targets' reports, each tensor's weights from the method, and the planned pass over the
+    store (relex.fit.passes) that forms θ₀ + W · M for every tensor of the output layout, in its order (`run`)."""
 
     def __init__(
         self, store: TrajectoryStore, out_dir: Path, config: ExtrapolateConfig, fit: FitResult | None,
@@ -136,31 +136,10 @@ class _Pass:
         self.reader = store.reader(steps, direct=store.reads_direct(config.fit.io))
         self.grams: dict[str, np.ndarray] = {}
         self.reports = [self._report(t) for t in config.targets]
-        # a trajectory that fits in `cache_elements` is read whole, once, for both the Gram and the weighted sum;
-        # a larger one block by block, twice when its Gram is needed. All reads of the pass are planned here and
-        # run ahead in the reader's background thread.
-        plan = []
-        self._blocks_per_read: dict[str, int] = {}  # how many stream blocks one read of a tensor takes
-        for name in (n for n, _ in self.layout if n in self.trajectory and (reads is None or n in reads)):
-            if self._cacheable(name):
-                rows = [None]
-                plan.append(Block(name, None, gram=True))
-            else:
-                rows = self.reader.row_blocks(name, fit_config.chunk_elements)
-                if self._needs_gram():
-                    plan += [Block(name, r, gram=True) for r in rows]
-                plan += [Block(name, r) for r in rows]
-            self._blocks_per_read[name] = len(rows)
-        self._stream = self.reader.stream(plan, self.device, gram=GRAM)
-
-    def _needs_gram(self) -> bool:
-        return self.method.needs_fit and self.fit is None
-
-    def _cacheable(self, name: str) -> bool:
-        return self._needs_gram() and len(self.plan.steps) * self.infos[name].numel <= self.config.cache_elements
-
-    def close(self) -> None:
-        self._stream.close()
+        names = [n for n, _ in self.layout if n in self.trajectory and (reads is None or n in reads)]
+        needs_gram = self.method.needs_fit and fit is None
+        budget = PassBudget(fit_config.chunk_elements, config.cache_elements)
+        self.reads = plan_pass(self.reader, names, grams=names if needs_gram else (), sums=names, budget=budget, device=self.device)
 
     def _report(self, target: int) -> TargetReport:
         inside = bool(target <= self.plan.window_steps[-1])
@@ -172,32 +151,23 @@ class _Pass:
             )
         return TargetReport(target, self.out_dir / f"step-{target}", ratio, inside)
 
+    def run(self, emit, wanted: set[str] | None = None, begin=None) -> None:
+        """Compute the layout's tensors in order, calling `emit(name, outputs)` with one block per target each time.
+
+        `wanted`: the names to compute (default all), and the tensors their tied aliases share; `begin(name)` is
+        called before a tensor's norms are added to the reports (relex.distributed keeps them per tensor).
+        """
+        outputs = _Outputs(self, emit, wanted, begin)
+        run_pass(self.reader, self.reads, [outputs], GRAM, desc=f"extrapolate ({self.config.method})")
+        outputs.advance(None)
+
     # ---- per tensor ----------------------------------------------------------------------------------------------
-    def _next_blocks(self, name: str) -> Iterator[tuple[tuple[int, int] | None, torch.Tensor, torch.Tensor | None]]:
-        """The next blocks of the stream, one read of tensor `name`: (rows, matrix, its Gram or None)."""
-        for _ in range(self._blocks_per_read[name]):
-            block, matrix, gram = next(self._stream)
-            assert block.name == name, f"read plan out of step: {block.name} read for {name}"
-            yield block.rows, matrix, gram
-
-    def _fit_from_gram(self, name: str, blocks) -> TensorFit:
-        """The fit of `name` from its Gram, the sum of the blocks' parts."""
-        gram = torch.zeros(len(self.plan.steps), len(self.plan.steps), dtype=torch.float64, device=self.device)
-        for _, _, part in blocks:
-            gram += part
-        self.grams[name] = gram.cpu().numpy()
-        check_finite_gram(name, self.grams[name], self.plan.steps.tolist())
-        return fit_tensor(name, self.plan.steps, self.grams[name], self.fit_config.rank, self.plan.model, self.plan.window)
-
-    def trajectory_outputs(self, name: str, info: TensorInfo):
-        """Yield (rows, [one output block per target]) for a tensor with a trajectory."""
-        blocks, fit = self._next_blocks(name), None
-        if self._cacheable(name):  # read once: one matrix serves the Gram and the sum
-            blocks = list(blocks)
-            fit = self._fit_from_gram(name, blocks)
-        elif self._needs_gram():  # read twice: once for the Gram, once for the sum
-            fit = self._fit_from_gram(name, blocks)
-            blocks = self._next_blocks(name)
+    def weights(self, name: str, gram: np.ndarray | None) -> np.ndarray | None:
+        """W (targets × T) for tensor `name`, fitted from `gram` when the pass formed it; None when all zero."""
+        fit = None
+        if gram is not None:
+            self.grams[name] = gram
+            fit = fit_tensor(name, self.plan.steps, gram, self.fit_config.rank, self.plan.model, self.plan.window)
         elif self.method.needs_fit:
             fit = self.fit.tensors[name]
         targets = np.asarray(self.config.targets)
@@ -205,19 +175,9 @@ class _Pass:
             w = kept_weights(self.plan, len(targets))
         else:
             w = scaled_weights(self.plan, targets, self.method.weights(self.plan, targets, fit), self.scale)
-        if not np.any(w):  # an all-zero trajectory keeps the base values
-            for _ in blocks:  # the planned reads are consumed all the same
-                pass
-            yield None, [self.base.read(name).to(self.out_dtype or info.dtype)] * len(self.reports)
-            return
-        w_t = torch.as_tensor(w, dtype=torch.float32, device=self.device)
-        for rows, matrix, _ in blocks:
-            base = self.base.read(name, rows)
-            predicted = (w_t @ matrix.to(self.device)).cpu()
-            check_finite_inputs(name, predicted, matrix, self.plan.steps)
-            yield rows, [self._combine(base, delta, report) for delta, report in zip(predicted, self.reports)]
+        return w if np.any(w) else None  # an all-zero trajectory keeps the base values
 
-    def _combine(self, base: torch.Tensor, delta: torch.Tensor, report: TargetReport) -> torch.Tensor:
+    def combine(self, base: torch.Tensor, delta: torch.Tensor, report: TargetReport) -> torch.Tensor:
         """θ₀ + Δ̂ in the output dtype (`delta` is overwritten), adding to the report's norms."""
         report._pred_sq += float(torch.dot(delta, delta))
         exact = delta.add_(base.reshape(-1))
@@ -227,13 +187,62 @@ class _Pass:
             report._lost_sq += float(torch.dot(lost, lost))
         return out.reshape(base.shape)
 
-    def tensor_outputs(self, name: str, info: TensorInfo):
-        canonical = self.tied.get(name, name)
-        if canonical in self.trajectory:
-            yield from self.trajectory_outputs(canonical, info)
-        else:  # non-float, or a tensor without a trajectory: the base values
-            base = self.base.read(name)
-            yield None, [base.to(info.dtype)] * len(self.reports)
+
+class _Outputs(Consumer):
+    """What an extrapolation pass yields, in the output layout's order: θ₀ + W · M block by block for the tensors
+    with a trajectory (as the pass reaches them), the base's values for the others and for all-zero trajectories,
+    and a tied alias's values from the tensor it shares (kept until its last alias is written)."""
+
+    def __init__(self, state: _Pass, emit, wanted: set[str] | None, begin):
+        self.state, self.emit, self.begin = state, emit, begin or (lambda name: None)
+        self.todo = iter(state.layout)
+        self.infos = dict(state.layout)
+        names = set(self.infos) if wanted is None else set(wanted)
+        self.computed = names | {state.tied[n] for n in names if n in state.tied}
+        self.aliases = Counter(state.tied[n] for n in names if n in state.tied)  # aliases yet to be written, per tensor
+        self.parts: dict[str, list[list[torch.Tensor]]] = {}  # a tensor's output blocks, per target, for its aliases
+
+    def advance(self, until: str | None) -> None:
+        """Emit the layout's entries up to `until` (the pass's next tensor; None: to the end) that the pass does not compute."""
+        for name, info in self.todo:
+            if name == until:
+                return
+            alias_of = self.state.tied.get(name)
+            if name not in self.computed or name in self.state.trajectory:
+                continue  # not this caller's, or a trajectory tensor (the pass computes those it reads)
+            if alias_of is not None and alias_of in self.parts:
+                self._alias(name, alias_of, info)
+            else:
+                self.begin(name)
+                self._emit(name, [self.state.base.read(name).to(info.dtype)] * len(self.state.reports))
+
+    def _alias(self, name: str, alias_of: str, info) -> None:
+        outputs = [torch.cat([p.reshape(-1) for p in part]).reshape(info.shape) for part in self.parts[alias_of]]
+        self.emit(name, outputs)
+        self.aliases[alias_of] -= 1
+        if not self.aliases[alias_of]:
+            del self.parts[alias_of]
+
+    def _emit(self, name: str, outputs: list[torch.Tensor]) -> None:
+        for values, target in zip(outputs, self.state.config.targets):
+            check_finite(name, values, target)
+        if self.aliases[name]:
+            for part, values in zip(self.parts.setdefault(name, [[] for _ in outputs]), outputs):
+                part.append(values)
+        self.emit(name, outputs)
+
+    def weights(self, name: str, gram: np.ndarray | None) -> np.ndarray | None:
+        self.advance(name)
+        self.begin(name)
+        w = self.state.weights(name, gram)
+        if w is None:
+            base = self.state.base.read(name).to(self.state.out_dtype or self.infos[name].dtype)
+            self._emit(name, [base] * len(self.state.reports))
+        return w
+
+    def sums(self, name: str, rows, sums: torch.Tensor) -> None:
+        base = self.state.base.read(name, rows)
+        self._emit(name, [self.state.combine(base, delta, report) for delta, report in zip(sums, self.state.reports)])
 
 
 def kept_tensors(names: list[str], patterns) -> set[str]:
@@ -282,13 +291,10 @@ def extrapolate_store(store: TrajectoryStore, out_dir: str | Path, config: Extra
     with write_lock(out_dir):
         state = _Pass(store, out_dir, config, fit)  # validates everything before anything is written
         started = time.time()
-        try:
-            with atomic_output(out_dir, overwrite=config.overwrite, inputs=inputs) as tmp:
-                fit_used = _write_targets(state, tmp, max_shard)
-                if fit is None and state.grams:
-                    fit_used.write_into(tmp / "fit")
-        finally:
-            state.close()
+        with atomic_output(out_dir, overwrite=config.overwrite, inputs=inputs) as tmp:
+            fit_used = _write_targets(state, tmp, max_shard)
+            if fit is None and state.grams:
+                fit_used.write_into(tmp / "fit")
     LOG.info("wrote %d checkpoint(s) in %.1f s", len(state.reports), time.time() - started)
     return state.reports
 
@@ -301,30 +307,15 @@ def extrapolation_inputs(store: TrajectoryStore, fit: FitResult | None) -> list[
 
 def _write_targets(state: _Pass, out_dir: Path, max_shard: int) -> FitResult | None:
     """Stream every tensor into one HF folder per target under `out_dir`; returns the fit that was used."""
-    store, config, fit = state.store, state.config, state.fit
+    store, fit = state.store, state.fit
     writers = [HFFolderWriter(out_dir / r.path.name, state.layout, base_dir=store.base_dir, max_shard_bytes=max_shard) for r in state.reports]
-    aliases = Counter(state.tied.values())  # a tensor may have several aliases: its values wait for the last one
+
+    def write(name: str, outputs: list[torch.Tensor]) -> None:
+        for writer, values in zip(writers, outputs):
+            writer.write(name, values)
+
     try:
-        tied_outputs: dict[str, list[torch.Tensor]] = {}
-        for name, info in tqdm(state.layout, desc=f"extrapolate ({config.method})", unit="tensor", leave=False, disable=None):
-            alias_of = state.tied.get(name)
-            if alias_of is not None and alias_of in tied_outputs:
-                for writer, values in zip(writers, tied_outputs[alias_of]):
-                    writer.write(name, values)
-                aliases[alias_of] -= 1
-                if not aliases[alias_of]:
-                    del tied_outputs[alias_of]
-                continue
-            keep = name in aliases
-            parts: list[list[torch.Tensor]] = [[] for _ in writers]
-            for _, outputs in state.tensor_outputs(name, info):
-                for writer, values, part, report in zip(writers, outputs, parts, state.reports):
-                    check_finite(name, values, report.target)
-                    writer.write(name, values)
-                    if keep:
-                        part.append(values)
-            if keep:
-                tied_outputs[name] = [torch.cat([p.reshape(-1) for p in part]).reshape(info.shape) for part in parts]
+        state.run(write)
         fit_used = fit or (fit_from_grams(state.fit_config, state.plan.steps.tolist(), state.grams, {n: state.infos[n].numel for n in state.grams}, str(store.path)) if state.grams else None)
         for writer, report in zip(writers, state.reports):
             report.delta_norm = report._pred_sq**0.5
@@ -335,20 +326,6 @@ def _write_targets(state: _Pass, out_dir: Path, max_shard: int) -> FitResult | N
             writer.abort()
         raise
     return fit_used
-
-
-def check_finite_inputs(name: str, predicted: torch.Tensor, matrix: torch.Tensor, steps) -> None:
-    """Refuse a weighted sum made non-finite by a NaN or Inf in the values read, naming the step that holds it.
-
-    Passes without a Gram (a saved fit, two-point, observed...) see such values only here. A sum is the cheap
-    test (a NaN or Inf in the sum comes from one in `predicted`, or from an overflow); only then is `matrix`
-    scanned, which names the step, or finds none (an overflow, left to `check_finite` on the output).
-    """
-    if math.isfinite(float(predicted.sum())):
-        return
-    bad = ~torch.isfinite(matrix).all(dim=1).cpu()
-    if bad.any():
-        raise RelexError(non_finite_message(name, int(steps[int(bad.nonzero()[0, 0])])))
 
 
 def check_finite(name: str, values: torch.Tensor, target: int) -> None:

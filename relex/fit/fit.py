@@ -20,11 +20,11 @@ from statistics import median
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from tqdm.auto import tqdm
 
 from relex import __version__
 from relex.errors import RelexError
 from relex.fit.gram import resolve_device, tensor_grams
+from relex.fit.passes import DEFAULT_CHUNK_ELEMENTS
 from relex.fit.temporal import TEMPORAL_MODELS, TemporalModel, make_temporal
 from relex.fit.trajectory_fit import TensorFit, fit_tensor
 from relex.io.atomic import atomic_output
@@ -32,9 +32,6 @@ from relex.store import TrajectoryStore
 from relex.util import grouped, module_type
 
 LOG = logging.getLogger(__name__)
-
-DEFAULT_CHUNK_ELEMENTS = 2**22  # values per (T × rows) block read at once: 16 MiB of float32, about the CPU's L3
-
 
 RECIPE = ("rank", "temporal", "degree", "window", "observe_until")  # what a saved fit is; the rest is how it ran
 
@@ -233,8 +230,7 @@ def fit_store(store: TrajectoryStore, config: FitConfig) -> FitResult:
     reader = store.reader(steps, direct=store.reads_direct(config.io))
     infos = store.tensors
     names = store.trajectory_names
-    stream = tensor_grams(reader, names, device, config.chunk_elements)
-    grams = dict(tqdm(stream, desc="fit: Gram matrices", unit="tensor", total=len(names), leave=False, disable=None))
+    grams = dict(tensor_grams(reader, names, device, config.chunk_elements, desc="fit: Gram matrices"))
     LOG.info("fitted %d tensors over %d steps on %s, reading %s", len(grams), len(steps), device, "direct" if reader.direct else "through the page cache")
     numel = {name: infos[name].numel for name in grams}
     return fit_from_grams(config, steps, grams, numel, str(store.path))

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from relex.errors import RelexError
+from relex.fit.passes import DEFAULT_CHUNK_ELEMENTS, GramCollector, PassBudget, non_finite_message, plan_pass, run_pass
 
 LOG = logging.getLogger(__name__)
 
@@ -104,10 +105,6 @@ def _thread_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-# what TrajectoryReader.stream calls to form the Gram of a block it has read (the store itself does no arithmetic)
-GRAM = SimpleNamespace(prepare=prepare, chunk_gram=chunk_gram)
-
-
 def check_finite_gram(name: str, gram: np.ndarray, steps) -> None:
     """Refuse a Gram whose diagonal is not finite: step i's values of tensor `name` hold a NaN or Inf."""
     diagonal = np.diagonal(gram)
@@ -116,9 +113,8 @@ def check_finite_gram(name: str, gram: np.ndarray, steps) -> None:
         raise RelexError(non_finite_message(name, step))
 
 
-def non_finite_message(name: str, step: int) -> str:
-    return (f"tensor {name}: NaN or Inf at step {step} (the checkpoint holds non-finite weights, or changed after "
-            "ingest; `relex ingest --verify` checks every value up front)")
+# the Gram's arithmetic, as a pass (relex.fit.passes) and the store's stream (`TrajectoryReader.stream`) call it
+GRAM = SimpleNamespace(prepare=prepare, chunk_gram=chunk_gram, check=check_finite_gram)
 
 
 def tensor_gram(reader, name: str, device: torch.device, max_elements: int) -> np.ndarray:
@@ -126,24 +122,10 @@ def tensor_gram(reader, name: str, device: torch.device, max_elements: int) -> n
     return dict(tensor_grams(reader, [name], device, max_elements))[name]
 
 
-def tensor_grams(reader, names: list[str], device: torch.device, max_elements: int) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, G) for each of `names` in order; the blocks of all of them are read ahead in one stream."""
-    from relex.store import Block
-
-    plan = [Block(name, rows, gram=True) for name in names for rows in reader.row_blocks(name, max_elements)]
-    steps = len(reader.steps)
-    current, gram = None, None
-    for block, _, part in reader.stream(plan, device, gram=GRAM):
-        if block.name != current:
-            if current is not None:
-                yield current, _checked(current, gram, reader.steps)
-            current, gram = block.name, torch.zeros(steps, steps, dtype=torch.float64, device=device)
-        gram += part
-    if current is not None:
-        yield current, _checked(current, gram, reader.steps)
-
-
-def _checked(name: str, gram: torch.Tensor, steps) -> np.ndarray:
-    gram = gram.cpu().numpy()
-    check_finite_gram(name, gram, steps)
-    return gram
+def tensor_grams(reader, names: list[str], device: torch.device, max_elements: int = DEFAULT_CHUNK_ELEMENTS,
+                 desc: str | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, G) for each of `names` in order, from one pass reading blocks of at most `max_elements` values."""
+    collector = GramCollector()
+    plan = plan_pass(reader, names, grams=names, budget=PassBudget(chunk_elements=max_elements), device=device)
+    run_pass(reader, plan, [collector], GRAM, desc=desc)
+    return iter(collector.grams.items())

@@ -1,0 +1,297 @@
+"""One pass over a store's trajectories, planned once and driven here, for everything computed from the values.
+
+Per tensor, relex computes two things from the stored values (docs/method.md): the Gram G = M Mᵀ (fit, backtest
+errors, plot projections, and the fit extrapolate makes on the way) and weighted sums W · M for a set of targets
+and methods (extrapolate). Everything else is T × T algebra. So a pass is
+
+    plan = plan_pass(reader, names, grams=names, sums=names, budget=PassBudget(), device=device)
+    run_pass(reader, plan, [consumer, ...], GRAM)      # relex.fit.gram.GRAM: the Gram's arithmetic
+
+`plan_pass` decides every read up front: blocks of T × rows values (`chunk_elements`); a trajectory that needs
+both its Gram and weighted sums and fits in `hold_elements` is read once, whole, for both, a larger one twice;
+the read-ahead buffers (`buffer_count` of `buffer_elements` floats, pinned host memory when the device is a
+GPU) stay within `buffer_bytes` all together. `run_pass` hands the plan to the store's reader (pure I/O: it reads
+ahead into those buffers) and tells each consumer, tensor by tensor in plan order, the Gram (`Consumer.gram`)
+and then, for the weights it asks for (`Consumer.weights`, which may depend on that Gram), W · M block by block
+(`Consumer.sums`). Several consumers' weights are stacked into one product, so one read serves them all.
+
+On the CPU a block's Gram is formed by whichever thread would otherwise wait (a reader or the caller); on a GPU
+blocks are copied from the pinned buffers on a side stream into one of two device buffers, so the copy of one
+block runs while the kernels of the one before do (`_Staging`). Either way it is the same code, the same blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from dataclasses import dataclass
+from typing import Collection, Iterator, Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from relex.errors import RelexError
+from relex.store import STREAM_BUFFERS, STREAM_BYTES, Block, TrajectoryReader
+
+LOG = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_ELEMENTS = 2**22  # values per (T × rows) block read at once: 16 MiB of float32, about the CPU's L3
+DEFAULT_HOLD_ELEMENTS = 2**27  # 512 MiB of float32: a trajectory up to this size is read once, not twice
+MIN_BUFFERS = 2  # one the caller computes on while a reader fills the other
+
+
+@dataclass(frozen=True)
+class PassBudget:
+    """How much a pass may hold: values per block, a trajectory held whole for a second use, read-ahead buffers."""
+
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
+    hold_elements: int = DEFAULT_HOLD_ELEMENTS
+    buffer_bytes: int = STREAM_BYTES
+
+
+@dataclass(frozen=True)
+class TensorReads:
+    """The reads of one tensor: its row blocks, and whether they serve its Gram, its weighted sums, or both at once."""
+
+    name: str
+    rows: tuple[tuple[int, int] | None, ...]
+    gram: bool
+    sums: bool
+    held: bool  # one whole read serves the Gram and the sums
+
+    def blocks(self, gram_in_reader: bool) -> list[Block]:
+        """The stream blocks: a read for the Gram, then (unless held) a second one for the sums."""
+        reads = []
+        if self.gram:
+            reads += [Block(self.name, rows, gram=gram_in_reader) for rows in self.rows]
+        if self.sums and not (self.gram and self.held):
+            reads += [Block(self.name, rows) for rows in self.rows]
+        return reads
+
+
+@dataclass(frozen=True)
+class PassPlan:
+    """Every read of a pass, in order, and the buffers they go into."""
+
+    tensors: tuple[TensorReads, ...]
+    steps: int
+    device: torch.device
+    buffer_elements: int
+    buffer_count: int
+
+    @property
+    def pinned(self) -> bool:
+        """Host buffers are page-locked when blocks go to a GPU (asynchronous copies need it)."""
+        return self.device.type == "cuda"
+
+    @property
+    def buffer_bytes(self) -> int:
+        return 4 * self.buffer_elements * self.buffer_count
+
+    def blocks(self) -> list[Block]:
+        gram_in_reader = self.device.type == "cpu"  # on a GPU the caller's thread launches the kernels
+        return [block for tensor in self.tensors for block in tensor.blocks(gram_in_reader)]
+
+    def allocate(self) -> list[torch.Tensor]:
+        pin = self.pinned and torch.cuda.is_available()
+        return [torch.empty(self.buffer_elements, dtype=torch.float32, pin_memory=pin) for _ in range(self.buffer_count)]
+
+
+def plan_pass(
+    reader: TrajectoryReader, names: Sequence[str], *, grams: Collection[str] = (), sums: Collection[str] = (),
+    budget: PassBudget = PassBudget(), device: torch.device | None = None,
+) -> PassPlan:
+    """The reads of `names` (in this order) for the Gram of those in `grams` and weighted sums of those in `sums`.
+
+    Blocks are at most `chunk_elements` values, and a held trajectory at most `hold_elements`, both capped so that
+    MIN_BUFFERS buffers fit in `buffer_bytes`; as many buffers are made as fit (up to STREAM_BUFFERS). A block is
+    never less than one row at every step, so only a row larger than the budget itself can exceed it.
+    """
+    steps = max(1, len(reader.steps))
+    largest_block = budget.buffer_bytes // (4 * MIN_BUFFERS)
+    chunk, hold = min(budget.chunk_elements, largest_block), min(budget.hold_elements, largest_block)
+    tensors = []
+    for name in names:
+        gram, summed = name in grams, name in sums
+        if not (gram or summed):
+            continue
+        held = gram and summed and steps * reader.infos[name].numel <= hold
+        rows = (None,) if held else tuple(reader.row_blocks(name, chunk))
+        tensors.append(TensorReads(name, rows, gram, summed, held))
+    largest = max((steps * reader.block_numel(t.name, r) for t in tensors for r in t.rows), default=0)
+    count = max(MIN_BUFFERS, min(STREAM_BUFFERS, budget.buffer_bytes // max(1, 4 * largest)))
+    return PassPlan(tuple(tensors), steps, device or torch.device("cpu"), largest, count)
+
+
+class Consumer:
+    """What a pass computes for each tensor, told in plan order; a consumer overrides the methods it needs."""
+
+    def gram(self, name: str, gram: np.ndarray) -> None:
+        """The tensor's Gram (float64, T × T, checked finite), for a tensor planned with one."""
+
+    def weights(self, name: str, gram: np.ndarray | None) -> np.ndarray | None:
+        """Weights W (rows × T) for the sums of a tensor planned with them; None: none wanted from this consumer."""
+        return None
+
+    def sums(self, name: str, rows: tuple[int, int] | None, sums: torch.Tensor) -> None:
+        """W · M for one row block (float32 on the CPU, one row per row of this consumer's W)."""
+
+    def done(self, name: str) -> None:
+        """The tensor is finished: every planned read of it was taken."""
+
+
+class GramCollector(Consumer):
+    """Collects every tensor's Gram (fit, a rank's share under torchrun)."""
+
+    def __init__(self):
+        self.grams: dict[str, np.ndarray] = {}
+
+    def gram(self, name: str, gram: np.ndarray) -> None:
+        self.grams[name] = gram
+
+
+def run_pass(reader: TrajectoryReader, plan: PassPlan, consumers: Sequence[Consumer], gram=None, desc: str | None = None) -> None:
+    """Drive `plan` over `reader`, telling `consumers` what each tensor yields (a progress bar per tensor with `desc`).
+
+    `gram`: the Gram's arithmetic, with `prepare(device)`, `chunk_gram(matrix, device)` and
+    `check(name, gram, steps)` (relex.fit.gram.GRAM); needed when the plan forms Gram matrices.
+    """
+    with TrajectoryPass(reader, plan, gram) as engine:
+        for reads in tqdm(plan.tensors, desc=desc, unit="tensor", leave=False, disable=None if desc else True):
+            engine.tensor(reads, consumers)
+
+
+class TrajectoryPass:
+    """A planned pass in progress: the reader's stream of blocks, and the tensor each of them belongs to."""
+
+    def __init__(self, reader: TrajectoryReader, plan: PassPlan, gram=None):
+        if gram is None and any(t.gram for t in plan.tensors):
+            raise ValueError("plan_pass planned Gram matrices; run_pass needs the Gram arithmetic (relex.fit.gram.GRAM)")
+        self.reader, self.plan, self.arithmetic, self.device = reader, plan, gram, plan.device
+        if gram is not None:  # load the Gram kernel while the first reads run
+            threading.Thread(target=gram.prepare, args=(self.device,), name="relex-prepare", daemon=True).start()
+        work = (lambda block, matrix: gram.chunk_gram(matrix, self.device)) if gram is not None else None
+        self.buffers = plan.allocate()
+        self._blocks = reader.stream(plan.blocks(), work=work, buffers=self.buffers)
+        self._staging = _Staging(self.device, plan.buffer_elements)
+
+    def __enter__(self) -> "TrajectoryPass":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._blocks.close()
+
+    def tensor(self, reads: TensorReads, consumers: Sequence[Consumer]) -> None:
+        """Take every planned read of one tensor, telling the consumers its Gram and sums."""
+        gram, held = None, ([] if reads.held else None)
+        if reads.gram:
+            gram = self._gram(reads, held)
+            for consumer in consumers:
+                consumer.gram(reads.name, gram)
+        if reads.sums:
+            self._sums(reads, consumers, gram, held)
+        for consumer in consumers:
+            consumer.done(reads.name)
+
+    def _read(self, reads: TensorReads) -> Iterator[tuple[tuple[int, int] | None, torch.Tensor, object]]:
+        """The next planned blocks of the stream, one read of `reads.name`: (rows, host matrix, its Gram or None)."""
+        for rows in reads.rows:
+            self._staging.release()  # the host buffer the last copy came from may be read into again
+            block, matrix, part = next(self._blocks)
+            if (block.name, block.rows) != (reads.name, rows):
+                raise AssertionError(f"read plan out of step: {block.name} {block.rows} read for {reads.name} {rows}")
+            yield rows, matrix, part
+
+    def _gram(self, reads: TensorReads, held: list | None) -> np.ndarray:
+        """The Gram of `reads.name`, the sum of its blocks' parts (kept in `held` when they serve the sums too)."""
+        steps = self.plan.steps
+        total = torch.zeros(steps, steps, dtype=torch.float64, device=self.device)
+        for rows, matrix, part in self._read(reads):
+            staged = None
+            if part is None:  # on a GPU, or a block the stream left to this thread
+                staged = self._staging.put(matrix)
+                part = self.arithmetic.chunk_gram(staged, self.device)
+            total += part
+            if held is not None:
+                held.append((rows, matrix, staged))
+        gram = total.cpu().numpy()
+        self.arithmetic.check(reads.name, gram, self.reader.steps)
+        return gram
+
+    def _sums(self, reads: TensorReads, consumers: Sequence[Consumer], gram: np.ndarray | None, held: list | None) -> None:
+        """W · M block by block for the weights the consumers ask for, all of them in one product per block."""
+        wanted = [(consumer, consumer.weights(reads.name, gram)) for consumer in consumers]
+        wanted = [(consumer, w) for consumer, w in wanted if w is not None]
+        blocks = held if held is not None else ((rows, matrix, None) for rows, matrix, _ in self._read(reads))
+        if not wanted:
+            for _ in blocks:  # the planned reads are taken all the same
+                pass
+            return
+        w = torch.as_tensor(np.concatenate([w for _, w in wanted]), dtype=torch.float32, device=self.device)
+        bounds = np.cumsum([0] + [len(w) for _, w in wanted])
+        for rows, matrix, staged in blocks:
+            sums = (w @ (staged if staged is not None else self._staging.put(matrix))).cpu()
+            check_finite_inputs(reads.name, sums, matrix, self.reader.steps)
+            for (consumer, _), a, b in zip(wanted, bounds[:-1], bounds[1:]):
+                consumer.sums(reads.name, rows, sums[a:b])
+
+
+class _Staging:
+    """Host blocks onto the device. On a GPU: copied from the pinned buffers on a side stream into one of two
+    device buffers, each reused once the kernels that read it are done, so one block's copy overlaps the kernels
+    of the block before. On the CPU: the block itself."""
+
+    def __init__(self, device: torch.device, elements: int):
+        self.on_gpu = device.type == "cuda"
+        if not self.on_gpu:
+            return
+        self.buffers = [torch.empty(elements, dtype=torch.float32, device=device) for _ in range(2)]
+        self.copies = torch.cuda.Stream(device)
+        self.used = [None, None]  # per device buffer: an event after the kernels that read it
+        self.copied = None  # the event after the last copy
+        self.turn = 0
+
+    def put(self, matrix: torch.Tensor) -> torch.Tensor:
+        if not self.on_gpu:
+            return matrix
+        i, self.turn = self.turn, 1 - self.turn
+        compute = torch.cuda.current_stream(self.buffers[i].device)
+        self.used[1 - i] = compute.record_event()  # the kernels that read the other buffer are queued by now
+        target = self.buffers[i][: matrix.numel()].view(matrix.shape)
+        with torch.cuda.stream(self.copies):
+            if self.used[i] is not None:  # this buffer's last block: its kernels must be done before it is overwritten
+                self.copies.wait_event(self.used[i])
+            target.copy_(matrix, non_blocking=True)
+            self.copied = self.copies.record_event()
+        compute.wait_event(self.copied)
+        return target
+
+    def release(self) -> None:
+        """Wait for the last copy (not the kernels), so that its host buffer can be refilled."""
+        if self.on_gpu and self.copied is not None:
+            self.copied.synchronize()
+            self.copied = None
+
+
+def non_finite_message(name: str, step: int) -> str:
+    return (f"tensor {name}: NaN or Inf at step {step} (the checkpoint holds non-finite weights, or changed after "
+            "ingest; `relex ingest --verify` checks every value up front)")
+
+
+def check_finite_inputs(name: str, sums: torch.Tensor, matrix: torch.Tensor, steps) -> None:
+    """Refuse weighted sums made non-finite by a NaN or Inf in the values read, naming the step that holds it.
+
+    Passes without a Gram (a saved fit, two-point, observed...) see such values only here. A sum is the cheap
+    test (a NaN or Inf in the sums comes from one in the values, or from an overflow); only then is `matrix`
+    scanned, which names the step, or finds none (an overflow, left to the writer's check of its output).
+    """
+    if math.isfinite(float(sums.sum())):
+        return
+    bad = ~torch.isfinite(matrix).all(dim=1).cpu()
+    if bad.any():
+        raise RelexError(non_finite_message(name, int(steps[int(bad.nonzero()[0, 0])])))

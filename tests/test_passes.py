@@ -1,0 +1,133 @@
+"""The pass engine (relex.fit.passes): its plan stays within the budget and reuses its buffers, a held trajectory is
+read once for both uses, and what the consumers are told equals a float64 computation from the values read whole."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from relex.fit.gram import GRAM
+from relex.fit.passes import Consumer, PassBudget, TrajectoryPass, plan_pass, run_pass
+from tests.conftest import STEPS
+
+
+class Recorder(Consumer):
+    """Asks for fixed weights and keeps what it is told."""
+
+    def __init__(self, weights: np.ndarray | None):
+        self.w, self.grams, self.parts, self.order = weights, {}, {}, []
+
+    def gram(self, name, gram):
+        self.grams[name] = gram
+
+    def weights(self, name, gram):
+        self.order.append(name)
+        return self.w
+
+    def sums(self, name, rows, sums):
+        self.parts.setdefault(name, []).append(sums.clone())
+
+    def whole(self, name: str) -> torch.Tensor:
+        return torch.cat(self.parts[name], dim=1)
+
+
+def spy_reads(reader, monkeypatch) -> list[tuple[str, object, int]]:
+    """(tensor, rows, storage address of the destination) for every block the reader fills."""
+    seen, real = [], reader.read_into
+
+    def read_into(name, out, rows=None):
+        seen.append((name, rows, out.untyped_storage().data_ptr()))
+        real(name, out, rows)
+
+    monkeypatch.setattr(reader, "read_into", read_into)
+    return seen
+
+
+BUDGETS = [
+    PassBudget(chunk_elements=len(STEPS) * 64, hold_elements=0, buffer_bytes=2**20),  # small blocks, nothing held
+    PassBudget(chunk_elements=len(STEPS) * 200, hold_elements=len(STEPS) * 2048, buffer_bytes=2**20),  # small ones held
+    PassBudget(chunk_elements=2**22, hold_elements=2**27, buffer_bytes=len(STEPS) * 4 * 3000),  # the budget caps both
+]
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_the_plan_stays_within_its_budget_and_reuses_its_buffers(store, budget, monkeypatch):
+    reader = store.reader()
+    names = store.trajectory_names
+    plan = plan_pass(reader, names, grams=names, sums=names, budget=budget)
+    assert plan.buffer_bytes <= budget.buffer_bytes and plan.buffer_count >= 2
+    blocks = plan.blocks()
+    assert all(len(STEPS) * reader.block_numel(b.name, b.rows) <= plan.buffer_elements for b in blocks)
+    assert all(4 * len(STEPS) * reader.block_numel(b.name, b.rows) <= budget.buffer_bytes // 2 for b in blocks)
+    seen = spy_reads(reader, monkeypatch)
+    with TrajectoryPass(reader, plan, GRAM) as engine:
+        buffers = {b.untyped_storage().data_ptr() for b in engine.buffers}
+        for reads in plan.tensors:
+            engine.tensor(reads, [Recorder(np.ones((1, len(STEPS))))])
+    assert [(name, rows) for name, rows, _ in seen] == [(b.name, b.rows) for b in blocks]  # each planned read, once
+    assert {address for _, _, address in seen} <= buffers  # only the planned buffers are read into...
+    assert len(seen) > 2 * len(buffers)  # ...each of them many times
+
+
+def test_a_held_trajectory_is_read_once_and_a_larger_one_twice(store, monkeypatch):
+    reader = store.reader()
+    names = store.trajectory_names
+    sizes = {n: len(STEPS) * store.tensors[n].numel for n in names}
+    hold = sorted(sizes.values())[len(sizes) // 2]
+    budget = PassBudget(chunk_elements=len(STEPS) * 256, hold_elements=hold)
+    plan = plan_pass(reader, names, grams=names, sums=names, budget=budget)
+    assert {t.name for t in plan.tensors if t.held} == {n for n in names if sizes[n] <= hold}
+    seen = spy_reads(reader, monkeypatch)
+    run_pass(reader, plan, [Recorder(np.ones((1, len(STEPS))))], GRAM)
+    for reads in plan.tensors:
+        values_read = sum(reader.block_numel(name, rows) for name, rows, _ in seen if name == reads.name)
+        assert values_read == store.tensors[reads.name].numel * (1 if reads.held else 2), reads.name
+
+
+def test_grams_and_sums_equal_a_float64_computation(store):
+    reader = store.reader()
+    names = store.trajectory_names
+    rng = np.random.default_rng(0)
+    first, second = Recorder(rng.normal(size=(2, len(STEPS)))), Recorder(rng.normal(size=(3, len(STEPS))))
+    silent = Recorder(None)  # wants the Gram only
+    budget = PassBudget(chunk_elements=len(STEPS) * 100, hold_elements=len(STEPS) * 1024)
+    run_pass(reader, plan_pass(reader, names, grams=names, sums=names, budget=budget), [first, silent, second], GRAM)
+    assert first.order == names and not silent.parts
+    for name in names:
+        m = reader.read(name).double()
+        np.testing.assert_allclose(first.grams[name], (m @ m.T).numpy(), rtol=1e-5, atol=1e-10)
+        assert first.grams[name] is silent.grams[name]
+        for recorder in (first, second):
+            expected = torch.from_numpy(recorder.w) @ m
+            torch.testing.assert_close(recorder.whole(name).double(), expected, rtol=1e-5, atol=1e-7)
+
+
+def test_sums_without_a_gram_need_no_gram_arithmetic(store):
+    reader = store.reader()
+    names = store.trajectory_names[:3]
+    w = np.linspace(-1, 1, len(STEPS))[None]
+    recorder = Recorder(w)
+    run_pass(reader, plan_pass(reader, names, sums=names, budget=PassBudget(chunk_elements=len(STEPS) * 64)), [recorder])
+    for name in names:
+        torch.testing.assert_close(recorder.whole(name).double(), torch.from_numpy(w) @ reader.read(name).double(), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="Gram arithmetic"):
+        TrajectoryPass(reader, plan_pass(reader, names, grams=names))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_on_a_gpu_the_same_pass_gives_the_same_results(store):
+    reader = store.reader()
+    names = store.trajectory_names
+    w = np.random.default_rng(1).normal(size=(2, len(STEPS)))
+    budget = PassBudget(chunk_elements=len(STEPS) * 100, hold_elements=len(STEPS) * 1024)
+    results = {}
+    for device in ("cpu", "cuda"):
+        recorder = Recorder(w)
+        plan = plan_pass(reader, names, grams=names, sums=names, budget=budget, device=torch.device(device))
+        assert plan.pinned == (device == "cuda")
+        run_pass(reader, plan, [recorder], GRAM)
+        results[device] = recorder
+    for name in names:
+        np.testing.assert_allclose(results["cuda"].grams[name], results["cpu"].grams[name], rtol=1e-5, atol=1e-10)
+        torch.testing.assert_close(results["cuda"].whole(name), results["cpu"].whole(name), rtol=1e-5, atol=1e-7)
