@@ -111,6 +111,13 @@ def test_cross_field_rules_run_when_a_class_is_made_by_hand_or_loaded():
         AccelerateConfig.from_dict({"alphas": [1.0]})
 
 
+def test_a_plain_dataclass_loads_as_a_nested_section():
+    sweep = load(SweepConfig, {"targets": [20, 40], "task": "chain_sum", "fit": {"rank": 2}}, "sweep")
+    assert sweep.fit.rank == 2 and sweep.task == TaskSpec(source="reasoning_gym", name="chain_sum")
+    with pytest.raises(RelexError, match="^sweep.fit: unknown key 'rnak'; valid keys: rank, temporal"):
+        load(SweepConfig, {"targets": [20], "task": "chain_sum", "fit": {"rnak": 2}}, "sweep")
+
+
 def test_shorthands_of_sections():
     config = TrainConfig.from_dict({"task": "chain_sum", "model": "my-model", "reward": {"verifier": "math"}})
     assert config.model == ModelConfig(name="my-model") and config.task.verifier == "math"
