@@ -30,14 +30,24 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from relex.accelerate import run_accelerate
+from relex.accelerate.loop import read_jumps
+from relex.accelerate.run import accelerate_config
 from relex.errors import RelexError
+from relex.evaluate import EvalResult, evaluate
+from relex.evaluate.config import read_yaml_mapping
 from relex.io.atomic import atomic_output, write_json_atomic
+from relex.present import DASH, Table, interval, jumps_table, step
+from relex.report import write_report
+from relex.store import TrajectoryStore
+from relex.train import load_config
 
 LOG = logging.getLogger(__name__)
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "smollm2-arithmetic.yaml"
 MARKER = "demo.json"
 PLAIN, ACCELERATED = "plain", "accelerated"
+RUN_NAMES = {PLAIN: "plain GRPO", ACCELERATED: "relex accelerate"}  # as the demo's tables name the runs
 
 
 @dataclass(frozen=True)
@@ -77,10 +87,6 @@ def prepare_out(out: Path, overwrite: bool) -> None:
 
 def run_config(plan: DemoPlan, config_file: Path, out: Path, *, jump: bool):
     """The config file's recipe with the plan's budget, and the loop's settings (jumps on or off)."""
-    from relex.accelerate.run import accelerate_config
-    from relex.evaluate.config import read_yaml_mapping
-    from relex.train import load_config
-
     data = read_yaml_mapping(config_file)
     data["grpo"] = {**(data.get("grpo") or {}), **plan.grpo}
     config = load_config(base=data, out=out, max_steps=plan.max_steps)
@@ -90,15 +96,11 @@ def run_config(plan: DemoPlan, config_file: Path, out: Path, *, jump: bool):
 
 
 def train(plan: DemoPlan, run_dir: Path, config_file: Path, *, jump: bool) -> Path:
-    from relex.accelerate import run_accelerate
-
     config, loop = run_config(plan, config_file, run_dir, jump=jump)
     return run_accelerate(config, loop, show_progress=True)
 
 
 def evaluate_checkpoints(plan: DemoPlan, run_dir: Path, checkpoints: list[str], task: dict):
-    from relex.evaluate import evaluate
-
     return evaluate(
         checkpoints, task, n=plan.eval_n, max_new_tokens=plan.max_new_tokens, batch_size=plan.batch_size,
         out_dir=run_dir / "eval", overwrite=True,
@@ -147,15 +149,34 @@ class DemoResult:
     run_dir: Path
     report: Path
     runs: dict[str, dict]  # plain / accelerated: their accelerate-summary.json
-    evaluation: object  # relex.evaluate.EvalResult
+    evaluation: EvalResult
     seconds: dict[str, float]
+
+    def accuracy_table(self) -> Table:
+        """Held-out accuracy of the plain run's final weights, the accelerated run's and the base."""
+        rows = []
+        for r in self.evaluation.checkpoints:
+            summary = self.runs.get(Path(r.checkpoint).parent.name)  # RUN/plain/final -> plain; the base: None
+            diff = r.diff_vs_first
+            rows.append([
+                RUN_NAMES.get(Path(r.checkpoint).parent.name, "base"), summary["grpo_steps"] if summary else 0,
+                step(summary["virtual_steps"]) if summary else "0", interval(r.accuracy, r.ci_low, r.ci_high),
+                DASH if diff is None else interval(diff["diff"], diff["ci_low"], diff["ci_high"], signed=True),
+            ])
+        title = f"held-out accuracy on {self.evaluation.checkpoints[0].n} problems (95% CI), same seed and GRPO budget"
+        return Table(title, ["final weights", "GRPO steps", "as if step", "accuracy", "Δ vs plain"], rows)
+
+    def tables(self) -> list[Table]:
+        """What `relex demo` shows: the accuracy table, the accelerated run's decisions, the time and where it all is."""
+        stages = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in self.seconds.items())
+        decisions = jumps_table(read_jumps(self.run_dir / ACCELERATED), "jump decisions of the accelerated run")
+        where = Table(f"time: {stages} (total {sum(self.seconds.values()) / 60:.1f} min)",
+                      notes=[f"run folder {self.run_dir}: report {self.report}, figures {self.run_dir / 'figures'}"])
+        return [self.accuracy_table(), decisions, where]
 
 
 def run_demo(plan: DemoPlan, out: str | Path, *, config_file: str | Path = DEMO_CONFIG, overwrite: bool = False) -> DemoResult:
     """Every stage of the module docstring, in order, into `out`; returns where things are and the evaluation."""
-    from relex.report import write_report
-    from relex.store import TrajectoryStore
-
     run_dir, config_file = Path(out), Path(config_file)
     config, _ = run_config(plan, config_file, run_dir / PLAIN, jump=False)  # checks everything before writing
     task = asdict(config.task)

@@ -19,17 +19,20 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from relex.accelerate.figures import plot_jumps
+from relex.accelerate.loop import JUMPS_LOG, read_jumps
 from relex.errors import RelexError
+from relex.fit import FitResult
 from relex.io.atomic import write_text_atomic
+from relex.plot import plot_accuracy, plot_rewards, plot_trajectory, plot_variance, read_accuracy_points, reward_records
+from relex.present import DASH, Table, backtest_tables, fit_table, interval, jumps_table, markdown, number, step
+from relex.store import TrajectoryStore, is_store
 
 LOG = logging.getLogger(__name__)
-
-MAX_BACKTEST_COLUMNS = 8
 
 
 @dataclass(frozen=True)
@@ -68,17 +71,8 @@ class RunLayout:
 
 
 # ---- Markdown -----------------------------------------------------------------------------------------------------
-def cell(value) -> str:
-    if value is None or isinstance(value, float) and math.isnan(value):
-        return "—"
-    if isinstance(value, float):
-        return f"{value:.3f}" if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
-    return str(value).replace("|", "\\|")
-
-
-def markdown_table(columns: list[str], rows: list[list]) -> list[str]:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(["---"] + ["---:"] * (len(columns) - 1)) + "|"]
-    return lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows] + [""]
+def table_lines(table: Table) -> list[str]:
+    return [markdown(table), ""]
 
 
 def missing(what: str, path: Path, command: str) -> list[str]:
@@ -109,8 +103,6 @@ class Figures:
 # ---- sections -----------------------------------------------------------------------------------------------------
 def accelerated_runs(root: Path) -> list[Path]:
     """RUN itself when `relex accelerate` made it, else its subfolders that it made (the demo's plain/, accelerated/)."""
-    from relex.accelerate.loop import JUMPS_LOG
-
     if (root / JUMPS_LOG).is_file():
         return [root]
     return sorted(p.parent for p in root.glob(f"*/{JUMPS_LOG}"))
@@ -118,9 +110,6 @@ def accelerated_runs(root: Path) -> list[Path]:
 
 def accelerate_section(run: RunLayout, figures: Figures) -> list[str]:
     """Train → jump → train: every decision with its candidates' validation scores, and the jumps figure."""
-    from relex.accelerate.figures import plot_jumps
-    from relex.accelerate.loop import read_jumps
-
     runs = accelerated_runs(run.root)
     if not runs:
         return []
@@ -134,16 +123,11 @@ def accelerate_section(run: RunLayout, figures: Figures) -> list[str]:
         if summary:
             seconds = summary.get("seconds", {})
             lines.append(f"{summary.get('grpo_steps')} GRPO steps, {summary.get('jumps')} jumps in {summary.get('decisions')} "
-                         f"decisions; the final weights stand for step {cell(summary.get('virtual_steps'))}. Wall time "
-                         f"{cell(seconds.get('wall'))} s: GRPO {cell(seconds.get('grpo'))} s, fit {cell(seconds.get('fit'))} s, "
-                         f"candidates {cell(seconds.get('candidates'))} s, validation {cell(seconds.get('validation'))} s.")
+                         f"decisions; the final weights stand for step {step(summary.get('virtual_steps'))}. Wall time "
+                         f"{number(seconds.get('wall'), 1)} s: GRPO {number(seconds.get('grpo'), 1)} s, fit {number(seconds.get('fit'), 1)} s, "
+                         f"candidates {number(seconds.get('candidates'), 1)} s, validation {number(seconds.get('validation'), 1)} s.")
             lines.append("")
-        lines += ["| GRPO step | decision | candidate | validation before | after | as if step | why |", "|---|---|---|---|---|---|---|"]
-        for j in jumps:
-            chosen = j["chosen"]["name"] if j["chosen"] else "—"
-            lines.append(f"| {j['step']} | {'jump' if j['jumped'] else 'kept'} | {chosen} | {cell(j['validation_accuracy_before'])} "
-                         f"| {cell(j['validation_accuracy_after'])} | {cell(j['virtual_step_after'])} | {j['reason']} |")
-        lines.append("")
+        lines += table_lines(jumps_table(jumps))
     return lines
 
 
@@ -155,40 +139,30 @@ def config_section(run: RunLayout) -> list[str]:
 
 
 def rewards_section(run: RunLayout, figures: Figures) -> list[str]:
-    from relex.plot import plot_rewards, reward_records
-
     lines = ["## Training rewards", ""]
     records = reward_records(run.log) if run.log.is_file() else []
     if not records:
         return lines + missing("training log", run.log, "relex train --config FILE --out RUN")
     lines += figures.add("rewards.png", "training reward per step", lambda p: plot_rewards(run.log, p))
     first, last = records[0], records[-1]
-    lines.append(f"{len(records)} optimizer steps; mean reward {cell(first['reward'])} at step {first['step']}, "
-                 f"{cell(last['reward'])} at step {last['step']}.")
+    lines.append(f"{len(records)} optimizer steps; mean reward {number(first['reward'])} at step {first['step']}, "
+                 f"{number(last['reward'])} at step {last['step']}.")
     if run.train_summary.is_file():
         summary = json.loads(run.train_summary.read_text())
         per_step, overhead = summary.get("seconds_per_step"), summary.get("record_seconds_over_step_seconds")
-        lines.append(f"{cell(per_step)} s per step; recording the deltas took {cell(overhead)} of a step; "
+        lines.append(f"{number(per_step)} s per step; recording the deltas took {number(overhead)} of a step; "
                      f"the store holds {len(summary.get('recorded_steps', []))} steps in {summary.get('store_bytes', 0) / 2**20:.1f} MiB.")
     return lines + [""]
 
 
 def fit_section(run: RunLayout, figures: Figures) -> list[str]:
-    from relex.fit import FitResult
-    from relex.plot import plot_trajectory, plot_variance
-    from relex.store import TrajectoryStore, is_store
-
     lines = ["## Trajectory fit", ""]
     if not (run.fit / "fit.json").is_file():
         return lines + missing("fit", run.fit, f"relex fit {run.store} --out {run.fit} --observe-until S")
     fit = FitResult.load(run.fit)
-    config = fit.config
-    lines += [f"Rank {config.rank}, temporal model `{config.temporal}`, fitted on {len(fit.steps)} recorded steps "
-              f"({fit.steps[0]}..{fit.steps[-1]}). EV is the share of the trajectory's energy in the first "
-              f"{config.rank} direction(s); R² is how well the temporal model follows the first coefficient.", ""]
-    rows = [[r["module_type"], r["tensors"], r["median_explained_variance"], r["share_ev_ge_0.9"], r["median_r2"]]
-            for r in fit.summary_by_module_type()]
-    lines += markdown_table(["module type", "tensors", f"median EV (r={config.rank})", "share EV ≥ 0.9", "median R²"], rows)
+    lines += [f"EV is the share of the trajectory's energy in the first {fit.config.rank} direction(s); R² is how well the "
+              "temporal model follows the first coefficient.", ""]
+    lines += table_lines(fit_table(fit))
     lines += figures.add("variance.png", "explained variance and R² by module type", lambda p: plot_variance(fit, p))
     if is_store(run.store):
         store = TrajectoryStore.open(run.store)
@@ -197,45 +171,27 @@ def fit_section(run: RunLayout, figures: Figures) -> list[str]:
     return lines
 
 
-def _shown_steps(steps: list[int]) -> list[int]:
-    if len(steps) <= MAX_BACKTEST_COLUMNS:
-        return steps
-    stride = max(1, len(steps) // MAX_BACKTEST_COLUMNS)
-    return sorted(set(steps[::stride]) | {steps[-1]})
-
-
 def backtest_section(run: RunLayout) -> list[str]:
     lines = ["## Backtest", ""]
     if not run.backtest.is_file():
         return lines + missing("backtest", run.backtest, f"relex backtest {run.store} --observe-until S --out {run.backtest}")
-    result = json.loads(run.backtest.read_text())
-    observed, later = result["observed_steps"], result["later_steps"]
-    errors = result["relative_error"]
-    shown = _shown_steps(later)
-    lines += [f"Fit on steps ≤ {observed[-1]} ({len(observed)} recorded), then predict each later recorded step; "
-              "the relative error ‖Δ̂ − Δ‖ / ‖Δ‖ over all tensors (lower is better).", ""]
-    lines += markdown_table(["method"] + [f"step {s}" for s in shown], [[m] + [errors[m][str(s)]["all"] for s in shown] for m in errors])
-    groups = sorted(k for k in next(iter(errors.values()))[str(later[-1])] if k != "all")
-    drift = result.get("drift_cosine_by_module_type", {})
-    rows = [[g] + [errors[m][str(later[-1])][g] for m in errors] + [drift.get(g)] for g in groups]
-    lines += [f"At step {later[-1]}, by module type (drift: |cos| between the rank-1 directions of the fitted and the later steps):", ""]
-    return lines + markdown_table(["module type"] + list(errors) + ["drift \\|cos\\|"], rows)
+    by_step, by_type = backtest_tables(json.loads(run.backtest.read_text()))
+    lines += ["Each method is fitted on the observed steps and predicts every later recorded step (lower is better).", ""]
+    return lines + table_lines(by_step) + table_lines(by_type)
 
 
 def short_label(label: str, root: Path) -> str:
     """A checkpoint label relative to the run folder when it lies inside it (`STORE@S` keeps its `@S`)."""
-    folder, at, step = label.rpartition("@")
+    folder, at, number_ = label.rpartition("@")
     path = Path(folder if at else label)
     try:
         short = path.resolve().relative_to(root.resolve())
     except ValueError:
         return label
-    return f"{short}{at}{step}" if at else str(short)
+    return f"{short}{at}{number_}" if at else str(short)
 
 
 def eval_section(run: RunLayout, figures: Figures) -> list[str]:
-    from relex.plot import plot_accuracy, read_accuracy_points
-
     lines = ["## Evaluation", ""]
     if not run.eval_summary.is_file():
         return lines + missing("evaluation", run.eval_summary, f"relex eval CKPT... --task NAME --out {run.eval_summary.parent}")
@@ -252,11 +208,12 @@ def eval_section(run: RunLayout, figures: Figures) -> list[str]:
         diff = entry.get("diff_vs_first")
         rows.append([
             short_label(entry["checkpoint"], run.root), point.series, point.step, entry["n"],
-            f"{entry['accuracy']:.3f} [{entry['ci_low']:.3f}, {entry['ci_high']:.3f}]",
-            "—" if not diff else f"{diff['diff']:+.3f} [{diff['ci_low']:+.3f}, {diff['ci_high']:+.3f}]",
-            f"{entry.get('mean_tokens', float('nan')):.1f}",
+            interval(entry["accuracy"], entry["ci_low"], entry["ci_high"]),
+            DASH if not diff else interval(diff["diff"], diff["ci_low"], diff["ci_high"], signed=True),
+            number(entry.get("mean_tokens"), 1),
         ])
-    lines += markdown_table(["checkpoint", "series", "step", "n", "accuracy [95% CI]", "Δ vs first [95% CI]", "tokens"], rows)
+    columns = ["checkpoint", "series", "step", "n", "accuracy [95% CI]", "Δ vs first [95% CI]", "tokens"]
+    lines += table_lines(Table("", columns, rows))
     return lines + figures.add("accuracy.png", "accuracy against step", lambda p: plot_accuracy([run.eval_summary], p))
 
 

@@ -19,8 +19,8 @@ from rich.console import Console
 
 from relex import __version__
 from relex.cli import COMMANDS, OnceFilter, build_parser
-from relex.cli.common import table
 from relex.errors import RelexError
+from relex.present import Table, Terminal
 from tests.conftest import cli
 
 
@@ -116,7 +116,7 @@ def test_wide_table_is_split_not_cropped():
     columns = ["method"] + [f"step {s}" for s in range(14, 62, 6)]
     rows = [["two-point"] + list(np.linspace(0.1, 2.0, len(columns) - 1)), ["relex"] + [1.5] * (len(columns) - 1)]
     console = Console(file=io.StringIO(), width=80)
-    console.print(table("relative error, fit on steps ≤ 12", columns, rows))
+    console.print(Terminal(Table("relative error, fit on steps ≤ 12", columns, rows)))
     out = console.file.getvalue()
     assert "…" not in out and max(len(line) for line in out.splitlines()) <= 80
     assert all(c in out for c in columns) and "2.000" in out and out.count("two-point") == 2

@@ -6,6 +6,7 @@ layer or lower ones, so the store never reaches up into the fit, nor the fit int
     accelerate                   train → jump → train
     sweep, train, backtest, plot, distributed     pipeline commands
     evaluate                     generation and scoring of checkpoints
+    present                      tables of results, rendered to the terminal, Markdown and plain text
     ingest, record, record_sharded, extrapolate  what writes stores and checkpoints
     fit                          Gram matrices and the rank-r fit
     store, verifiers, tasks      the trajectory store; rewards and problems
@@ -25,6 +26,7 @@ LAYERS = [
     {"accelerate"},
     {"sweep", "train", "backtest", "plot", "distributed"},
     {"evaluate"},
+    {"present"},
     {"ingest", "record", "record_sharded", "extrapolate"},
     {"fit"},
     {"store", "verifiers", "tasks"},

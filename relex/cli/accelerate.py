@@ -1,5 +1,15 @@
-"""`relex accelerate --config FILE --out RUN`: GRPO segments alternating with guarded jumps; flags override the file."""
+"""`relex accelerate --config FILE --out RUN`: GRPO segments alternating with guarded jumps; flags override the file.
 
+Parse the options, call `relex.accelerate.run_accelerate`, show the run's jump decisions.
+"""
+
+from relex.accelerate import run_accelerate
+from relex.accelerate.loop import read_jumps
+from relex.accelerate.run import accelerate_config
+from relex.cli.common import run_config_file
+from relex.errors import RelexError
+from relex.present import jumps_table, show
+from relex.train import load_config
 from relex.util import comma_list
 
 
@@ -23,8 +33,6 @@ def add_arguments(parser) -> None:
 
 
 def _list(text, cast, flag):
-    from relex.errors import RelexError
-
     if text is None:
         return None
     try:
@@ -37,26 +45,15 @@ def _list(text, cast, flag):
 
 
 def run(args) -> int:
-    from relex.accelerate import run_accelerate
-    from relex.accelerate.loop import read_jumps
-    from relex.accelerate.run import accelerate_config
-    from relex.cli.common import console, run_config_file, table
-    from relex.train import load_config
-
     config = load_config(run_config_file(args), out=args.out, max_steps=args.max_steps)
-    keep = _list(args.keep, str, "--keep")  # an empty list is refused there, in one line
     accelerate = accelerate_config(
         config, segment_steps=args.segment_steps, alphas=_list(args.alphas, float, "--alphas"),
-        scales=_list(args.scales, float, "--scales"), methods=_list(args.methods, str, "--methods"), keep=keep,
+        scales=_list(args.scales, float, "--scales"), methods=_list(args.methods, str, "--methods"),
+        keep=_list(args.keep, str, "--keep"),  # an empty list is refused there, in one line
         optimizer=args.optimizer, validation_size=args.validation_size, margin=args.margin, min_gain=args.min_gain,
         jump=False if args.no_jump else None,
     )
     run_dir = run_accelerate(config, accelerate, resume=args.resume, show_progress=not args.no_progress)
-    rows = [[j["step"], "jump" if j["jumped"] else "kept", j["chosen"]["name"] if j["chosen"] else "—",
-             j["validation_accuracy_before"], j["validation_accuracy_after"], j["virtual_step_after"]]
-            for j in read_jumps(run_dir)]
-    console.print(table(f"jump decisions in {run_dir}", ["step", "decision", "candidate", "val. before", "val. after", "as if step"], rows))
-    for j in read_jumps(run_dir):
-        console.print(f"step {j['step']}: {j['reason']}")
-    print(f"run written to {run_dir} (jumps: {run_dir / 'jumps.jsonl'}, final weights: {run_dir / 'final'})")
+    show(jumps_table(read_jumps(run_dir), f"jump decisions in {run_dir}"),
+         f"run written to {run_dir} (jumps: {run_dir / 'jumps.jsonl'}, final weights: {run_dir / 'final'})")
     return 0

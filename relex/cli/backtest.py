@@ -1,11 +1,20 @@
-"""`relex backtest`: parse the options and call the library."""
+"""`relex backtest STORE --observe-until S`: parse the options, call `relex.backtest.backtest_store`, show its tables."""
 
+import dataclasses
+
+from relex.backtest import backtest_store
+from relex.cli.common import add_fit_options, fit_config_from
+from relex.distributed import backtest_across_ranks
+from relex.errors import RelexError
+from relex.fit import FitResult
+from relex.io.atomic import check_output, refuse_inputs
+from relex.present import backtest_tables, show
+from relex.ranks import launched
+from relex.store import TrajectoryStore
 from relex.util import comma_list
 
 
 def add_arguments(parser):
-    from relex.cli.common import add_fit_options
-
     parser.add_argument("store", help="a trajectory store")
     parser.add_argument("--methods", default="relex,two-point,per-param", help="comma-separated methods to compare")
     parser.add_argument("--out", default=None, help="write the full result as JSON here")
@@ -13,44 +22,29 @@ def add_arguments(parser):
     add_fit_options(parser, observe_until_required=True)
 
 
-def run(args):
-    from relex.backtest import backtest_store
-    from relex.cli.common import console, fit_config_from, table
-    from relex.distributed import backtest_across_ranks
-    from relex.errors import RelexError
-    from relex.io.atomic import check_output, refuse_inputs
-    from relex.ranks import launched
-    from relex.store import TrajectoryStore
+def grams_from(fit_dir: str, store: TrajectoryStore):
+    """The Gram matrices of an earlier fit, which must cover every recorded step of `store`."""
+    previous = FitResult.load(fit_dir)
+    if previous.steps.tolist() != store.steps:
+        raise RelexError(f"{fit_dir}: its Gram covers steps {previous.steps.tolist()[:3]}…, not all {len(store.steps)} recorded steps")
+    return previous.grams
 
+
+def run(args):
     store = TrajectoryStore.open(args.store)
     if args.out:  # refused before the pass over the store: a folder, or the store or its base itself
         check_output(args.out, overwrite=True, folder=False)
         refuse_inputs(args.out, [store.path, store.base_dir])
-    config = fit_config_from(args)
-    until, config.observe_until = config.observe_until, None
-    grams = None
-    if args.gram_from:
-        from relex.fit import FitResult
-
-        previous = FitResult.load(args.gram_from)
-        if previous.steps.tolist() != store.steps:
-            raise RelexError(f"{args.gram_from}: its Gram covers steps {previous.steps.tolist()[:3]}…, not all {len(store.steps)} recorded steps")
-        grams = previous.grams
+    config = dataclasses.replace(fit_config_from(args), observe_until=None)  # the prefix is backtest's own argument
+    grams = grams_from(args.gram_from, store) if args.gram_from else None
     methods = comma_list(args.methods)
     if launched() and grams is None:  # under torchrun: the ranks share the Gram pass, rank 0 reports (relex.distributed)
-        result = backtest_across_ranks(store, until, methods, config)
+        result = backtest_across_ranks(store, args.observe_until, methods, config)
         if result is None:
             return
     else:
-        result = backtest_store(store, until, methods, config, grams)
-    shown = result.later if len(result.later) <= 8 else result.later[:: max(1, len(result.later) // 8)] + [result.later[-1]]
-    shown = sorted(set(shown))
-    rows = [[m] + [result.relative_error(m, s) for s in shown] for m in result.methods]
-    console.print(table(f"relative error ‖Δ̂ − Δ‖/‖Δ‖, fit on steps ≤ {until} ({len(result.observed)} observed)", ["method"] + [f"step {s}" for s in shown], rows))
-    last = result.later[-1]
-    drift = result.drift_by_module_type()
-    rows = [[g] + [result.relative_error(m, last, g) for m in result.methods] + [drift.get(g, float("nan"))] for g in result.module_types()]
-    console.print(table(f"at step {last}, by module type", ["module type"] + result.methods + ["drift |cos|"], rows))
+        result = backtest_store(store, args.observe_until, methods, config, grams)
+    show(*backtest_tables(result.to_dict()))
     if args.out:
         result.save(args.out)
-        console.print(f"backtest written to {args.out}")
+        show(f"backtest written to {args.out}")

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from relex.evaluate import evaluate
+from relex.evaluate.config import load_eval_config
+from relex.evaluate.generate import BACKENDS
+from relex.evaluate.report import eval_table
+from relex.present import show
+
 
 def add_arguments(parser) -> None:
-    from relex.evaluate.generate import BACKENDS
-
     parser.add_argument(
         "checkpoints", nargs="*", metavar="CKPT",
         help="model folders, hub ids, the alias smollm2-135m-instruct, or STORE@STEP (a step of a trajectory "
@@ -32,9 +36,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from relex.evaluate import evaluate, format_table
-    from relex.evaluate.config import load_eval_config
-
     config = load_eval_config(
         args.config,
         task_file=args.task_file,
@@ -56,6 +57,5 @@ def run(args) -> int:
         config.checkpoints, config.task_spec(), **config.settings(),
         out_dir=config.out_dir(), overwrite=config.overwrite,
     )
-    print(format_table(result))
-    print(f"completions and summary written to {result.out_dir}")
+    show(eval_table(result), f"completions and summary written to {result.out_dir}")
     return 0

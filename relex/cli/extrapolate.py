@@ -1,11 +1,18 @@
-"""`relex extrapolate`: parse the options and call the library."""
+"""`relex extrapolate STORE --targets S,.. --out DIR`: parse the options, call `relex.extrapolate.extrapolate_store`,
+show the checkpoints it wrote."""
 
+from relex.cli.common import add_fit_options, fit_config_from, recipe_flags_given
+from relex.distributed import extrapolate_across_ranks
+from relex.errors import RelexError
+from relex.extrapolate import ExtrapolateConfig, extrapolate_store, parse_targets
+from relex.fit import FitResult
+from relex.present import extrapolate_table, show
+from relex.ranks import launched
+from relex.store import TrajectoryStore
 from relex.util import comma_list
 
 
 def add_arguments(parser):
-    from relex.cli.common import add_fit_options
-
     parser.add_argument("store", help="a trajectory store")
     parser.add_argument(
         "--targets", required=True,
@@ -28,52 +35,45 @@ def add_arguments(parser):
     add_fit_options(parser)
 
 
-def run(args):
-    from relex.cli.common import console, fit_config_from, recipe_flags_given, table
-    from relex.distributed import extrapolate_across_ranks
-    from relex.errors import RelexError
-    from relex.extrapolate import ExtrapolateConfig, extrapolate_store, parse_targets
-    from relex.fit import FitResult
-    from relex.ranks import launched
-    from relex.store import TrajectoryStore
+def anchors_from(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    try:
+        anchors = tuple(int(a) for a in comma_list(text))
+    except ValueError:
+        raise RelexError(f"cannot read --anchors {text!r}; give two steps like 0,40") from None
+    if len(anchors) != 2:
+        raise RelexError(f"--anchors takes two steps A,B, got {text!r}")
+    return anchors
 
+
+def saved_fit(args) -> FitResult | None:
+    """The fit of --fit, which fixes the recipe: recipe flags beside it are refused, naming the command that refits."""
+    if not args.fit:
+        return None
+    given = recipe_flags_given(args)
+    if given:
+        raise RelexError(
+            f"{' '.join(given)} with --fit: the fit {args.fit} fixes its rank, temporal model and window; to change "
+            f"them refit from its Gram matrices (relex fit {args.store} --gram-from {args.fit} {' '.join(given)} --out NEW_FIT)"
+        )
+    return FitResult.load(args.fit)
+
+
+def run(args):
     store = TrajectoryStore.open(args.store)
-    anchors = None
-    if args.anchors:
-        try:
-            anchors = tuple(int(a) for a in comma_list(args.anchors))
-        except ValueError:
-            raise RelexError(f"cannot read --anchors {args.anchors!r}; give two steps like 0,40") from None
-        if len(anchors) != 2:
-            raise RelexError(f"--anchors takes two steps A,B, got {args.anchors!r}")
     config = ExtrapolateConfig(
-        targets=parse_targets(args.targets), method=args.method, fit=fit_config_from(args), anchors=anchors,
+        targets=parse_targets(args.targets), method=args.method, fit=fit_config_from(args), anchors=anchors_from(args.anchors),
         dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite,
         scale=args.scale, keep=tuple(comma_list(args.keep)),
     )
     if args.keep is not None and not config.keep:
         raise RelexError(f"--keep {args.keep!r} names no module type; give patterns like '*norm.weight'")
-    fit = None
-    if args.fit:
-        given = recipe_flags_given(args)
-        if given:
-            raise RelexError(
-                f"{' '.join(given)} with --fit: the fit {args.fit} fixes its rank, temporal model and window; to change "
-                f"them refit from its Gram matrices (relex fit {args.store} --gram-from {args.fit} {' '.join(given)} --out NEW_FIT)"
-            )
-        fit = FitResult.load(args.fit)
+    fit = saved_fit(args)
     if launched():  # under torchrun: each rank writes its share of the shards, rank 0 reports (relex.distributed)
         reports = extrapolate_across_ranks(store, args.out, config, fit)
         if reports is None:
             return
     else:
         reports = extrapolate_store(store, args.out, config, fit)
-    rows = [[r.path.name, r.target, r.horizon_ratio, "yes" if r.interpolation else "no", r.delta_norm, r.rounding_loss] for r in reports]
-    last_observed = round(reports[0].target / reports[0].horizon_ratio)
-    console.print(table(
-        f"{args.method} checkpoints in {args.out}", ["folder", "step", "horizon ratio", "interpolation", "‖Δ̂‖", "dtype loss"],
-        rows, caption=f"horizon ratio = step / {last_observed}, the last observed step (both counted from the base)",
-    ))
-    for r in reports:
-        if r.rounding_loss > 0.01:
-            console.print(f"warning: step {r.target}: the output dtype rounds away {100 * r.rounding_loss:.1f}% of the predicted update (‖lost‖/‖Δ̂‖); consider --dtype float32")
+    show(extrapolate_table(reports, args.method, args.out))

@@ -1,4 +1,8 @@
-"""`relex ingest`: parse the options and call the library."""
+"""`relex ingest CHECKPOINTS --base BASE --out STORE`: parse the options, call `relex.ingest.ingest`, show the store."""
+
+from relex.ingest import ingest, parse_steps
+from relex.io.hub import expand_revisions
+from relex.present import show, store_summary
 
 
 def add_arguments(parser):
@@ -29,27 +33,9 @@ def add_arguments(parser):
 
 
 def run(args):
-    import os
-
-    from relex.cli.common import console
-    from relex.ingest import ingest, parse_steps
-    from relex.io.hub import expand_revisions
-
     store = ingest(
         args.checkpoints, args.base, args.out, steps=parse_steps(args.steps), copy=args.copy,
         delta_dtype=args.delta_dtype, overwrite=args.overwrite, repoint=args.repoint,
         revisions=expand_revisions(args.revisions) if args.revisions is not None else None, verify=args.verify,
     )
-    if args.repoint:
-        base = os.path.normpath(store.base_dir)
-        console.print(f"store {store.path}: {len(store.steps)} steps re-pointed at {', '.join(map(str, args.checkpoints))} (base {base})")
-        return
-    entries = store.entries
-    console.print(
-        f"store {store.path}: {len(entries)} steps ({', '.join(str(e.step) for e in entries)}), "
-        f"{len(store.trajectory_names)} trajectory tensors, tied {store.tied or 'none'}, "
-        f"{'copied' if args.copy else 'referenced in place'}, {store.size_bytes() / 2**20:.1f} MiB"
-    )
-    errors = [e.quantization_error for e in entries if e.quantization_error is not None]
-    if errors:
-        console.print(f"delta quantization error ({args.delta_dtype}): max ‖q(Δ)−Δ‖/‖Δ‖ = {max(errors):.2e}")
+    show(store_summary(store, repointed_at=args.checkpoints if args.repoint else None))

@@ -1,5 +1,12 @@
-"""`relex plot trajectory|variance|accuracy|rewards|jumps`: parse the options and call `relex.plot`."""
+"""`relex plot trajectory|variance|accuracy|rewards|jumps`: parse the options, call `relex.plot`, say where the PNG is."""
 
+from relex import plot
+from relex.accelerate.figures import plot_jumps
+from relex.cli import add_verbose
+from relex.errors import RelexError
+from relex.fit import FitResult
+from relex.present import show
+from relex.store import TrajectoryStore
 from relex.util import comma_list
 
 
@@ -8,8 +15,6 @@ def _names(text):
 
 
 def add_arguments(parser):
-    from relex.cli import add_verbose
-
     kinds = parser.add_subparsers(dest="figure", metavar="FIGURE", required=True)
     trajectory = kinds.add_parser("trajectory", help="rank-1 coefficient against the step, fitted line, held-out steps")
     trajectory.add_argument("store", help="the trajectory store the fit was made from")
@@ -35,31 +40,23 @@ def add_arguments(parser):
         add_verbose(sub)
 
 
+def trajectory(args):
+    if args.max < 1:
+        raise RelexError(f"--max {args.max}: plot at least one tensor")
+    return plot.plot_trajectory(
+        TrajectoryStore.open(args.store), FitResult.load(args.fit), args.out, tensors=_names(args.tensors),
+        module_types=_names(args.module_types), max_tensors=args.max, extend_to=args.extend_to,
+    )
+
+
+FIGURES = {
+    "trajectory": trajectory,
+    "variance": lambda args: plot.plot_variance(FitResult.load(args.fit), args.out),
+    "accuracy": lambda args: plot.plot_accuracy(args.summaries, args.out, title=args.title),
+    "rewards": lambda args: plot.plot_rewards(args.run, args.out, window=args.window),
+    "jumps": lambda args: plot_jumps(args.runs, args.out, title=args.title),
+}
+
+
 def run(args):
-    from relex import plot
-    from relex.cli.common import console
-
-    if args.figure == "trajectory":
-        from relex.errors import RelexError
-        from relex.fit import FitResult
-        from relex.store import TrajectoryStore
-
-        if args.max < 1:
-            raise RelexError(f"--max {args.max}: plot at least one tensor")
-        path = plot.plot_trajectory(
-            TrajectoryStore.open(args.store), FitResult.load(args.fit), args.out, tensors=_names(args.tensors),
-            module_types=_names(args.module_types), max_tensors=args.max, extend_to=args.extend_to,
-        )
-    elif args.figure == "variance":
-        from relex.fit import FitResult
-
-        path = plot.plot_variance(FitResult.load(args.fit), args.out)
-    elif args.figure == "jumps":
-        from relex.accelerate.figures import plot_jumps
-
-        path = plot_jumps(args.runs, args.out, title=args.title)
-    elif args.figure == "accuracy":
-        path = plot.plot_accuracy(args.summaries, args.out, title=args.title)
-    else:
-        path = plot.plot_rewards(args.run, args.out, window=args.window)
-    console.print(f"figure written to {path}")
+    show(f"figure written to {FIGURES[args.figure](args)}")

@@ -1,4 +1,7 @@
-"""`relex report RUN`: parse the options and call `relex.report.write_report`."""
+"""`relex report RUN`: parse the options, call `relex.report.write_report`, say where the report is."""
+
+from relex.present import show
+from relex.report import write_report
 
 
 def add_arguments(parser):
@@ -7,8 +10,5 @@ def add_arguments(parser):
 
 
 def run(args):
-    from relex.cli.common import console
-    from relex.report import write_report
-
     path = write_report(args.run, args.out)
-    console.print(f"report written to {path} (figures in {path.parent / 'figures'})")
+    show(f"report written to {path} (figures in {path.parent / 'figures'})")

@@ -1,9 +1,17 @@
-"""`relex sweep STORE --targets S1,S2,... --task NAME --out DIR`: parse the options and call `relex.sweep.sweep`."""
+"""`relex sweep STORE --targets S1,S2,... --task NAME --out DIR`: parse the options, call `relex.sweep.sweep`, show
+the validation accuracy of each target."""
+
+import relex.sweep
+from relex.cli.common import add_fit_options, fit_config_from
+from relex.errors import RelexError
+from relex.evaluate.config import parse_task_config, task_spec_from_file
+from relex.extrapolate import parse_targets
+from relex.present import show, sweep_table
+from relex.sweep import SweepConfig
+from relex.tasks.spec import task_spec_from_name
 
 
 def add_arguments(parser):
-    from relex.cli.common import add_fit_options
-
     parser.add_argument("store", help="a trajectory store")
     parser.add_argument(
         "--targets", required=True,
@@ -24,10 +32,6 @@ def add_arguments(parser):
 
 
 def task_from(args):
-    from relex.errors import RelexError
-    from relex.evaluate.config import parse_task_config, task_spec_from_file
-    from relex.tasks.spec import task_spec_from_name
-
     if (args.task is None) == (args.task_file is None):
         raise RelexError("give --task NAME or --task-file FILE (one of them)")
     spec = task_spec_from_file(args.task_file) if args.task_file else task_spec_from_name(args.task)
@@ -37,25 +41,10 @@ def task_from(args):
 
 
 def run(args):
-    from relex.cli.common import console, fit_config_from, table
-    from relex.extrapolate import parse_targets
-    from relex.extrapolate.methods import horizon_ratio
-    from relex.sweep import SweepConfig, sweep
-
     config = SweepConfig(
         targets=parse_targets(args.targets), task=task_from(args), n=args.n, method=args.method, fit=fit_config_from(args),
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed, overwrite=args.overwrite,
     )
-    result = sweep(args.store, args.out, config)
-    rows = [[name, "", "", r["accuracy"], r["ci_low"], r["ci_high"]] for name, r in result.references.items()]
-    rows += [
-        [f"step {t}", horizon_ratio(t, result.last_step), "◀ best" if t == result.best_target else "", r["accuracy"], r["ci_low"], r["ci_high"]]
-        for t, r in result.accuracies.items()
-    ]
-    console.print(table(
-        f"validation accuracy ({args.method}, {config.n} problems)",
-        ["checkpoint", "horizon ratio", "", "accuracy", "95% low", "95% high"], rows,
-        caption=f"horizon ratio = step / {result.last_step}, the last observed step (both counted from the base)",
-    ))
-    console.print(result.verdict())
-    console.print(f"checkpoints in {result.out_dir / 'checkpoints'}, details in {result.out_dir / 'sweep.json'}")
+    result = relex.sweep.sweep(args.store, args.out, config)
+    show(sweep_table(result, args.method, config.n),
+         f"checkpoints in {result.out_dir / 'checkpoints'}, details in {result.out_dir / 'sweep.json'}")

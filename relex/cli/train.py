@@ -1,5 +1,9 @@
 """`relex train --config FILE`: a GRPO run that records its trajectory; flags override the file."""
 
+from relex.cli.common import run_config_file
+from relex.present import show
+from relex.train import load_config, run_training
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("--config", metavar="FILE", help="YAML train config (e.g. configs/tiny.yaml); with --resume, default RUN/config.yaml")
@@ -11,10 +15,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from relex.cli.common import run_config_file
-    from relex.train import load_config, run_training
-
     config = load_config(run_config_file(args), out=args.out, max_steps=args.max_steps, record_every=args.record_every)
     run_dir = run_training(config, resume=args.resume, show_progress=not args.no_progress)
-    print(f"run written to {run_dir} (trajectory store: {run_dir / 'trajectory'}, log: {run_dir / 'log.jsonl'})")
+    show(f"run written to {run_dir} (trajectory store: {run_dir / 'trajectory'}, log: {run_dir / 'log.jsonl'})")
     return 0

@@ -1,4 +1,4 @@
-"""The outputs of an evaluation: a table for the terminal, and `OUT/completions.jsonl` + `OUT/summary.json`.
+"""The outputs of an evaluation: its table (relex.present renders it), and `OUT/completions.jsonl` + `OUT/summary.json`.
 
 The output folder is written through relex.io.atomic: under a hidden temporary name next to it, renamed into
 place once complete, so an interrupted or failed evaluation never leaves a half-written folder behind.
@@ -7,10 +7,10 @@ place once complete, so an interrupted or failed evaluation never leaves a half-
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from relex.io.atomic import atomic_output, check_output
+from relex.present import DASH, Table, interval, number, percent, text
 
 COMPLETIONS_NAME = "completions.jsonl"
 SUMMARY_NAME = "summary.json"
@@ -32,52 +32,27 @@ def write_outputs(result, out_dir: Path, overwrite: bool, inputs=()) -> Path:
     return out_dir
 
 
-def _rate(value: float | None) -> str:
-    return "—" if value is None or math.isnan(value) else f"{value:.3f}"
+def eval_table(result) -> Table:
+    """The per-checkpoint table of an `EvalResult`: greedy accuracy with its interval and the paired difference with
+    the first checkpoint, pass@k and maj@K when sampled, completion length, truncation, speed, verifier failures."""
+    sampled = [f"pass@{k}" for k in result.checkpoints[0].pass_at_k] if result.checkpoints else []
+    voted = [f"maj@{result.settings.samples}"] if any(r.maj_at_k is not None for r in result.checkpoints) else []
+    columns = ["checkpoint", "n", "greedy acc [95% CI]", "Δ vs first [95% CI]", *sampled, *voted,
+               "tokens", "truncated", "compl/s", "verifier failures"]
+    title = f"{result.task['name']} ({result.task['verifier']} verifier), seed {result.settings.seed}"
+    return Table(title, columns, [_row(r, bool(voted)) for r in result.checkpoints])
 
 
-def _interval(value: float, low: float, high: float, signed: bool = False) -> str:
-    number = f"{value:+.3f}" if signed else f"{value:.3f}"
-    return f"{number} [{low:.3f}, {high:.3f}]"
-
-
-def table_rows(result) -> list[dict[str, str]]:
-    """One dict per checkpoint: column title -> cell text."""
-    rows = []
-    for r in result.checkpoints:
-        row = {
-            "checkpoint": r.checkpoint,
-            "n": str(r.n),
-            "greedy acc [95% CI]": _interval(r.accuracy, r.ci_low, r.ci_high),
-            "Δ vs first [95% CI]": "—" if r.diff_vs_first is None else _interval(**_diff_args(r.diff_vs_first)),
-        }
-        row |= {f"pass@{k}": _rate(v) for k, v in r.pass_at_k.items()}
-        if r.maj_at_k is not None:
-            row[f"maj@{result.settings.samples}"] = _rate(r.maj_at_k)
-        row |= {
-            "tokens": f"{r.mean_tokens:.1f}",
-            "truncated": f"{r.truncated:.0%}",
-            "compl/s": f"{r.completions_per_s:.2f}",
-            "verifier failures": str(sum(r.verifier_failures.values())),
-        }
-        rows.append(row)
-    return rows
-
-
-def _diff_args(diff: dict) -> dict:
-    return {"value": diff["diff"], "low": diff["ci_low"], "high": diff["ci_high"], "signed": True}
+def _row(r, voted: bool) -> list:
+    diff = r.diff_vs_first
+    return [
+        r.checkpoint, r.n, interval(r.accuracy, r.ci_low, r.ci_high),
+        DASH if diff is None else interval(diff["diff"], diff["ci_low"], diff["ci_high"], signed=True),
+        *r.pass_at_k.values(), *([r.maj_at_k] if voted else []),
+        number(r.mean_tokens, 1), percent(r.truncated), number(r.completions_per_s, 2), sum(r.verifier_failures.values()),
+    ]
 
 
 def format_table(result) -> str:
-    """The per-checkpoint table as aligned text (first column left-aligned, the others right-aligned)."""
-    rows = table_rows(result)
-    titles = list(dict.fromkeys(title for row in rows for title in row))
-    widths = {t: max(len(t), *(len(row.get(t, "")) for row in rows)) for t in titles}
-
-    def line(cells: dict[str, str]) -> str:
-        first, *rest = titles
-        parts = [cells.get(first, "").ljust(widths[first])] + [cells.get(t, "").rjust(widths[t]) for t in rest]
-        return "  ".join(parts).rstrip()
-
-    header = f"{result.task['name']} ({result.task['verifier']} verifier), seed {result.settings.seed}"
-    return "\n".join([header, line({t: t for t in titles}), *(line(row) for row in rows)])
+    """The per-checkpoint table as aligned plain text (relex.present.text)."""
+    return text(eval_table(result))
