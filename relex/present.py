@@ -204,7 +204,7 @@ def backtest_tables(saved: dict) -> list[Table]:
     groups = sorted(k for k in next(iter(errors.values()))[last] if k != "all")
     drift = saved.get("drift_cosine_by_module_type", {})
     by_type = Table(
-        f"at step {last}, by module type (drift: |cos| between the rank-1 directions of the fitted and the later steps)",
+        f"at step {last}, by module type (drift: |cos| of the rank-1 directions of the fitted and the later steps)",
         ["module type"] + list(errors) + ["drift |cos|"], [[g] + [errors[m][last][g] for m in errors] + [drift.get(g)] for g in groups],
     )
     return [by_step, by_type]

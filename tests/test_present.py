@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import math
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -162,3 +163,59 @@ def test_eval_table_and_its_plain_text(monkeypatch):
     assert table.cells()[1] == ["b", "4", "0.750 [0.000, 1.000]", "+0.250 [-0.250, +0.500]", "0.500", DASH, "0.250",
                                 "3.2", "50%", "12.00", "2"]
     assert format_table(result) == text(table)
+
+
+def test_fit_store_and_extrapolate_summaries():
+    from relex.present import extrapolate_table, fit_table, store_summary
+
+    fit = SimpleNamespace(config=SimpleNamespace(rank=2, temporal="linear"), steps=np.array([2, 4, 13]),
+                          summary_by_module_type=lambda: [{"module_type": "all", "tensors": 20, "median_explained_variance": 0.95,
+                                                           "share_ev_ge_0.9": 1.0, "median_r2": math.nan}])
+    table = fit_table(fit)
+    assert table.title == "rank-2 fit over steps 2..13 (3 observed), temporal linear"
+    assert table.cells() == [["all", "20", "0.950", "1.000", DASH]] and table.columns[2] == "median EV(r=2)"
+
+    entries = [SimpleNamespace(step=s, kind="delta", dtype="bfloat16", quantization_error=e) for s, e in ((10, 1e-3), (20, 1.72e-3))]
+    store = SimpleNamespace(path="store", entries=entries, steps=[10, 20], trajectory_names=["a", "b"], tied={},
+                            base_dir="base/./", size_bytes=lambda: 2**20)
+    assert text(store_summary(store)).splitlines() == [
+        "store store: 2 steps (10, 20), 2 trajectory tensors, tied none, copied, 1.0 MiB",
+        "delta quantization error (bfloat16): max ‖q(Δ)−Δ‖/‖Δ‖ = 1.72e-03",
+    ]
+    assert text(store_summary(store, repointed_at=["new-run"])) == "store store: 2 steps re-pointed at new-run (base base)"
+
+    reports = [SimpleNamespace(path=Path("out/step-20"), target=20, horizon_ratio=20 / 13, interpolation=False,
+                               delta_norm=0.05, rounding_loss=0.462)]
+    table = extrapolate_table(reports, "relex", "out")
+    assert table.cells() == [["step-20", "20", "1.538", "no", "0.050", "0.462"]]
+    assert table.notes[0].startswith("horizon ratio = step / 13,") and "rounds away 46.2%" in table.notes[1]
+
+
+def test_the_demo_shows_accuracy_decisions_and_where_things_are(tmp_path):
+    import json
+
+    from relex.demo import ACCELERATED, DemoResult
+
+    (tmp_path / ACCELERATED).mkdir()
+    (tmp_path / ACCELERATED / "jumps.jsonl").write_text(json.dumps(
+        {"step": 2, "jumped": True, "chosen": {"name": "relex α=3"}, "validation_accuracy_before": 0.1,
+         "validation_accuracy_after": 0.15, "virtual_step_after": 6.0, "reason": "gains +0.050"}) + "\n")
+
+    def checkpoint(path, accuracy, diff=None):
+        return SimpleNamespace(checkpoint=str(path), n=16, accuracy=accuracy, ci_low=0.25, ci_high=0.5, diff_vs_first=diff)
+
+    evaluation = SimpleNamespace(checkpoints=[
+        checkpoint(tmp_path / "plain" / "final", 0.375),
+        checkpoint(tmp_path / ACCELERATED / "final", 0.4375, {"diff": 0.0625, "ci_low": -0.0625, "ci_high": 0.125}),
+        checkpoint("/models/base", 0.3125, {"diff": -0.0625, "ci_low": -0.125, "ci_high": 0.0}),
+    ])
+    runs = {"plain": {"grpo_steps": 4, "virtual_steps": 4}, ACCELERATED: {"grpo_steps": 4, "virtual_steps": 6.0}}
+    result = DemoResult(tmp_path, tmp_path / "report.md", runs, evaluation, {"plain GRPO": 63.0, "accelerated": 108.0})
+    accuracy, decisions, where = result.tables()
+    assert accuracy.cells() == [
+        ["plain GRPO", "4", "4", "0.375 [0.250, 0.500]", DASH],
+        ["relex accelerate", "4", "6", "0.438 [0.250, 0.500]", "+0.062 [-0.062, +0.125]"],
+        ["base", "0", "0", "0.312 [0.250, 0.500]", "-0.062 [-0.125, +0.000]"],
+    ]
+    assert decisions.cells() == [["2", "jump", "relex α=3", "0.100", "0.150", "6"]] and decisions.notes == ["step 2: gains +0.050"]
+    assert where.title == "time: plain GRPO 63 s, accelerated 108 s (total 2.9 min)" and str(tmp_path / "report.md") in where.notes[0]
