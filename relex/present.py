@@ -10,9 +10,12 @@ A table holds values, not strings: every renderer formats a cell with `cell` (No
 decimals or two significant digits when tiny), so the same table reads the same everywhere. The first column is
 left-aligned, the others right-aligned. A table without columns is a title with notes: a summary line.
 
-The adapters at the end turn the results of the commands below this module (a fit, a backtest's saved result,
-extrapolated checkpoints, a sweep, jump decisions, an ingested store) into tables; the commands above it build
-their own (`relex.evaluate.report.eval_table`, `relex.demo.DemoResult.tables`).
+The adapters at the end turn the results of relex's commands into tables: a fit, a backtest (in its saved form,
+what backtest.json holds), extrapolated checkpoints, a sweep, jump decisions, an ingested store. This module sits
+just below `relex.evaluate` in the layers (above the extrapolation it takes the horizon ratio from), so evaluate,
+the pipeline commands, the report and the CLI all render through it; the adapters read a result by its attributes
+and import none of the commands above. `relex.evaluate.report.eval_table` and `relex.demo.DemoResult.tables` are
+built beside their results. The CLI shows tables with `show`, the report writes them with `markdown`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The `relex` command line: one thin module per subcommand.
 
-Each module in this package defines `add_arguments(parser)` and `run(args)`; `run` validates its input and calls
-one library function. Only the module of the subcommand being run is imported. A `RelexError` (or a hub that cannot be
+Each module in this package defines `add_arguments(parser)` and `run(args)`; `run` validates its input, calls
+one library function and shows what it returns through `relex.present` (tables and lines on stdout). Only the
+module of the subcommand being run is imported. A `RelexError` (or a hub that cannot be
 reached) becomes a one-line message and exit status 2, with no traceback. `relex` alone lists the commands; `-v`
 works before or after the subcommand.
 """
