@@ -13,6 +13,8 @@ for each missing part which command makes it:
 
 The report goes to RUN/report.md unless told otherwise, and its figures to `figures/` beside the report
 (RUN/figures/ by default), linked by relative paths: rewards.png, variance.png, trajectory.png, accuracy.png.
+Its tables are the ones the commands print (relex.present: the fit's, the backtest's, the jump decisions), written
+as Markdown.
 """
 
 from __future__ import annotations
