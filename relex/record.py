@@ -20,6 +20,14 @@ against the store's delta at that step when it was recorded. A store that alread
 training resumes from is refused (those steps would be recorded twice, from a rerun that may differ); drop them
 first with `TrajectoryStore.truncate` (`relex train --resume` does).
 
+Under DDP (`accelerate launch`, torchrun) every rank holds a recorder, and rank 0 alone captures θ₀ and writes
+the store. At train begin and at each recorded step the ranks exchange one status (relex.ranks.together), so a
+failure on rank 0 (a full disk, a store of another model) ends every rank with the same line instead of leaving the
+others waiting in the next step's collective; they would wait for rank 0 there anyway, so this costs no time.
+Under FSDP2 every rank takes part in each record (relex.record_sharded). DeepSpeed is refused at train begin on
+every rank, in one line: its ZeRO stages keep the float32 weights inside the DeepSpeed optimizer, which relex does
+not read, and it has not been run here.
+
 `recorder.timings` holds the seconds each record took and `recorder.overhead()` compares them with the
 training steps, so the cost of recording can be reported.
 """
@@ -41,6 +49,7 @@ from relex.io.atomic import pid_alive
 from relex.io.checkpoint import CheckpointReader, TensorInfo
 from relex.io.dtypes import dtype_name, parse_dtype
 from relex.io.hf_folder import HFFolderWriter, make_inference_ready
+from relex.ranks import Ranks, together
 from relex.record_sharded import ShardedRecording, is_sharded
 from relex.store import TrajectoryStore, is_store
 from relex.util import is_positive_int, most_common_float_dtype
@@ -100,26 +109,38 @@ class DeltaRecorder(TrainerCallback):
         self._source_dtype: torch.dtype | None = None
         self._last_step_end: float | None = None
         self._sharded: ShardedRecording | None = None  # FSDP2: this rank's part of the recording (relex.record_sharded)
+        self._replicas: Ranks | None = None  # DDP: the ranks that exchange a status at each record
+        self._replica_steps: list[int] = []  # DDP: the store's steps, known alike on every rank
 
     # ---- trainer events ----------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
+        refuse_deepspeed(args, model)  # on every rank, so no rank trains on waiting for another
         if model is not None and is_sharded(unwrap_model(model)):  # FSDP2: every rank gathers, rank 0 writes
             self._sharded = ShardedRecording(self, unwrap_model(model), state.global_step)
             self._last_step_end = time.perf_counter()
             return
         if model is not None:  # every rank refuses ZeRO-3's parameters, so no rank trains on waiting for another
             float_state(unwrap_model(model))
-        if not state.is_world_process_zero:  # under DDP the main process records; the others do nothing
+        self._replicas = replica_ranks()
+        if self._replicas is not None:  # DDP: rank 0 records, the others learn whether it could
+            with together(self._replicas, f"starting to record into {self.store_dir}"):
+                if self._replicas.is_first:
+                    self._begin(model, state.global_step, processing_class)
+            self._replica_steps = self._replicas.broadcast(list(self.store.steps) if self.store is not None else None)
             return
+        if state.is_world_process_zero:
+            self._begin(model, state.global_step, processing_class)
+
+    def _begin(self, model, global_step: int, processing_class) -> None:
         if model is None:
             raise RelexError("DeltaRecorder: the trainer passed no model to the callback")
         started = time.perf_counter()
-        self.attach(unwrap_model(model), state.global_step, processing_class)
+        self.attach(unwrap_model(model), global_step, processing_class)
         self.setup_seconds = time.perf_counter() - started
         self._last_step_end = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.store is None and self._sharded is None:
+        if self.store is None and self._sharded is None and self._replicas is None:
             return
         now = time.perf_counter()
         if self._last_step_end is not None:
@@ -134,7 +155,8 @@ class DeltaRecorder(TrainerCallback):
             if state.global_step > 0 and state.global_step not in self._sharded.steps:
                 self._sharded.record(state.global_step)
             return
-        if self.store is not None and state.global_step > 0 and state.global_step not in self.store.steps:
+        steps = self._replica_steps if self._replicas is not None else self.store.steps if self.store is not None else None
+        if steps is not None and state.global_step > 0 and state.global_step not in steps:
             self.record(state.global_step)
 
     # ---- setup ---------------------------------------------------------------------------------------------------
@@ -252,6 +274,16 @@ class DeltaRecorder(TrainerCallback):
         """Append θ − θ₀ at `step` now; a step already in the store is refused."""
         if self._sharded is not None:  # every rank takes part; rank 0 writes
             return self._sharded.record(step)
+        if self._replicas is not None:  # DDP: rank 0 writes; every rank learns whether it could
+            entry = None
+            with together(self._replicas, f"recording step {step}"):
+                if self._replicas.is_first:
+                    entry = self._append(step)
+            self._replica_steps.append(step)
+            return entry
+        return self._append(step)
+
+    def _append(self, step: int):
         if self.store is None:
             raise RelexError("DeltaRecorder: nothing to record yet (the trainer has not begun training)")
         started = time.perf_counter()
@@ -289,6 +321,54 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
         model = model.module
     return model
+
+
+def replica_ranks() -> Ranks | None:
+    """This process's place among the ranks of a data-parallel run (torch.distributed with more than one
+    process); None in a single process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    return Ranks(dist.get_rank(), dist.get_world_size())
+
+
+SUPPORTED = "one process, DDP and FSDP/FSDP2 (accelerate launch --multi_gpu or --use_fsdp, or torchrun)"
+
+
+def deepspeed_in_use(args=None, model=None) -> str | None:
+    """What shows that training runs under DeepSpeed (None when nothing does): the model or one of its wrappers is
+    a DeepSpeed engine, a parameter is partitioned by ZeRO-3, the training arguments name a DeepSpeed config, or
+    accelerate was launched or set up for DeepSpeed."""
+    wrapper = model
+    while isinstance(wrapper, torch.nn.Module):
+        if type(wrapper).__module__.split(".")[0] == "deepspeed":
+            return f"the model is wrapped in {type(wrapper).__name__}"
+        wrapper = getattr(wrapper, "module", None)
+    if isinstance(model, torch.nn.Module):
+        for name, parameter in model.named_parameters():
+            if hasattr(parameter, "ds_id"):
+                return f"parameter {name} is partitioned by DeepSpeed ZeRO-3"
+    if getattr(args, "deepspeed", None):
+        return f"the training arguments name a DeepSpeed config ({args.deepspeed!r})"
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true"):
+        return "accelerate launch --use_deepspeed (ACCELERATE_USE_DEEPSPEED is set)"
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    if AcceleratorState._shared_state.get("distributed_type") == DistributedType.DEEPSPEED:
+        return "accelerate is set up for DeepSpeed"
+    return None
+
+
+def refuse_deepspeed(args=None, model=None, who: str | None = "DeltaRecorder") -> None:
+    """Raise one line when training runs under DeepSpeed, naming what recording supports instead."""
+    found = deepspeed_in_use(args, model)
+    if found is not None:
+        raise RelexError(
+            f"{who + ': ' if who else ''}this run trains with DeepSpeed ({found}); recording supports {SUPPORTED}. Train with one of "
+            "those, or save checkpoints under DeepSpeed and make a store of them with `relex ingest`"
+        )
 
 
 def float_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

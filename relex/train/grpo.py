@@ -25,6 +25,15 @@ trainer_state.json, or weights that do not parse) is removed, never resumed from
 reached its `grpo.max_steps` does nothing and says so; with a larger `grpo.max_steps` on resume, the
 learning-rate schedule is stretched to the new total from the resumed step on. The run folder is locked while a
 command trains in it, so a second `relex train` on it ends in one line naming the first one's PID.
+
+Several processes (`accelerate launch --multi_gpu --num_processes N -m relex train ...`, or torchrun) train one
+run with DDP: each process takes `grpo.per_device_train_batch_size` completions per step, so the global batch is N
+times that. Rank 0 alone locks and checks the run folder, writes the tiny model, the config, log.jsonl, the
+trajectory store and summary.json (the trainer writes each rank's RNG state into its checkpoints); the other ranks
+load what rank 0 prepared. A failure while preparing, or while rank 0 records, ends every rank with the same line
+(relex.ranks.together); a rank that fails elsewhere ends with its own line, and the others with one saying they
+lost contact with it or were stopped by the launcher. Without CUDA the ranks train on the CPU with gloo. DeepSpeed
+is refused before training (relex.record.refuse_deepspeed).
 """
 
 from __future__ import annotations
@@ -35,15 +44,18 @@ import logging
 import re
 import shutil
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import yaml
 
 from relex import __version__
 from relex.errors import RelexError
 from relex.io.atomic import write_lock, write_text_atomic
+from relex.ranks import RankFailed, Ranks, launched, process_group, together
+from relex.record import refuse_deepspeed
 from relex.store import is_store
 from relex.train.config import TrainConfig
 from relex.util import read_log
@@ -74,20 +86,19 @@ class Prepared:
 
 
 def run_training(config: TrainConfig, *, resume: bool = False, show_progress: bool = True) -> Path:
-    """Train, record and log one run; returns the run folder. The run folder is locked throughout."""
-    run_dir = Path(config.out) if config.out else Path("runs") / f"train-{time.strftime('%Y%m%d-%H%M%S')}"
-    config = dataclasses.replace(config, out=str(run_dir)) if not config.out else config
-    with write_lock(run_dir):
-        prepared = prepare(config, resume=resume)
+    """Train, record and log one run; returns the run folder. The run folder is locked throughout.
+
+    Under `accelerate launch` or torchrun every rank calls this; rank 0 writes the run folder (see above)."""
+    with joined_ranks() as ranks, ExitStack() as held:
+        prepared = prepare_on_ranks(config, resume, ranks, held)
         done = finished_step(prepared)
         if done is not None:
-            LOG.warning(
-                "%s: already trained to step %d (grpo.max_steps %d); nothing to do. Raise grpo.max_steps to train further",
-                prepared.run_dir, done, prepared.args.max_steps,
-            )
+            if is_main_process():
+                LOG.warning(
+                    "%s: already trained to step %d (grpo.max_steps %d); nothing to do. Raise grpo.max_steps to train further",
+                    prepared.run_dir, done, prepared.args.max_steps,
+                )
             return prepared.run_dir
-        if resume:
-            forget_after(prepared.run_dir, checkpoint_step(prepared.resume_from) if prepared.resume_from else 0)
         if show_progress:  # one bar for the run instead of transformers' bars for every checkpoint save
             from transformers.utils import logging as hf_logging
 
@@ -95,18 +106,105 @@ def run_training(config: TrainConfig, *, resume: bool = False, show_progress: bo
         trainer, recorder = build_trainer(prepared, show_progress=show_progress)
         started = time.perf_counter()
         try:
-            with closing_progress(trainer):
+            with closing_progress(trainer), peers_lost_in_one_line(ranks):
                 trainer.train(resume_from_checkpoint=prepared.resume_from)
         except OSError as error:  # a full disk while saving a checkpoint: one line, and the run stays resumable
             raise RelexError(f"{prepared.run_dir}: training stopped: {error}; free the space and run relex train --resume") from error
-        write_summary(prepared.run_dir, recorder, time.perf_counter() - started)
+        if is_main_process():
+            write_summary(prepared.run_dir, recorder, time.perf_counter() - started)
     return prepared.run_dir
+
+
+# ---- several processes ------------------------------------------------------------------------------------------
+@contextmanager
+def joined_ranks():
+    """The ranks of a run started by `accelerate launch` or torchrun (relex.ranks.process_group); None in a single
+    process. The process group is joined before anything else, so that every exchange below has it."""
+    if not launched():
+        yield None
+        return
+    with process_group() as ranks:
+        yield ranks
+
+
+def is_main_process() -> bool:
+    """Whether this process writes the run folder: the only one, or rank 0 of several."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def prepare_on_ranks(config: TrainConfig, resume: bool, ranks: Ranks | None, held: ExitStack) -> Prepared:
+    """`prepare` with the run folder locked (in `held`). Of several ranks, rank 0 locks, checks and writes the run
+    folder first; then the others load what it prepared (the tiny model, the checkpoint to resume from), each
+    phase ending with every rank raising the first failure."""
+    if ranks is None:
+        config = dataclasses.replace(config, out=str(run_folder(config)))  # one timestamped name, when none is given
+        held.enter_context(write_lock(Path(config.out)))
+        prepared = prepare(config, resume=resume)
+        if resume and finished_step(prepared) is None:
+            forget_after(prepared.run_dir, checkpoint_step(prepared.resume_from) if prepared.resume_from else 0)
+        return prepared
+    prepared = None
+    with together(ranks, "preparing the run"):
+        if ranks.is_first:
+            prepared = prepare_on_ranks(config, resume, None, held)
+    run_dir, model_path, resume_from = ranks.broadcast(
+        (str(prepared.run_dir), prepared.model_path, prepared.resume_from) if ranks.is_first else None
+    )
+    with together(ranks, "loading the prepared run"):
+        if not ranks.is_first:
+            prepared = prepare_replica(dataclasses.replace(config, out=run_dir), model_path, resume_from)
+    return prepared
+
+
+def run_folder(config: TrainConfig) -> Path:
+    return Path(config.out) if config.out else Path("runs") / f"train-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def prepare_replica(config: TrainConfig, model_path: str, resume_from: str | None) -> Prepared:
+    """What a rank other than 0 needs to train: the task, rewards and GRPOConfig, with the model and checkpoint
+    that rank 0 prepared."""
+    from relex.tasks import load_task
+
+    task = load_task(config.task)
+    args = grpo_args(config, Path(config.out))
+    return Prepared(config, Path(config.out), model_path, task, reward_functions(config, task.verifier), args, resume_from)
+
+
+@contextmanager
+def peers_lost_in_one_line(ranks: Ranks | None):
+    """A collective that fails because another rank is gone (it failed, and gloo's connection to it closed)
+    becomes one line on this rank; the failed rank's own line says why."""
+    try:
+        yield
+    except RuntimeError as error:
+        if ranks is None or not lost_peer(error):
+            raise
+        raise RankFailed(
+            f"rank {ranks.rank} of {ranks.world}: lost contact with another rank while training ({peer_cause(error)}); "
+            "that rank's own line says why"
+        ) from None
+
+
+def peer_cause(error: RuntimeError) -> str:
+    """The first sentence of a backend's error, without the source location gloo puts in front."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(error).split()))
+    return text.split(". ")[0][:200] or type(error).__name__
+
+
+def lost_peer(error: RuntimeError) -> bool:
+    """Whether a collective failed because a peer closed its connection (gloo) or the backend gave up (NCCL)."""
+    import torch.distributed as dist
+
+    text = str(error)
+    return isinstance(error, dist.DistError) or "Connection closed by peer" in text or "Connection reset by peer" in text
 
 
 # ---- validation -----------------------------------------------------------------------------------------------
 def prepare(config: TrainConfig, *, resume: bool = False) -> Prepared:
     """Every check that can fail before training: run folder, model, task, verifier, GRPOConfig."""
-    run_dir = Path(config.out) if config.out else Path("runs") / f"train-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = run_folder(config)
     check_run_folder(run_dir, config, resume)
     model_path = resolve_model_path(config, run_dir, create=False)
     from relex.tasks import load_task
@@ -217,10 +315,24 @@ def grpo_args(config: TrainConfig, run_dir: Path):
         options["activation_checkpointing"] = options.pop("gradient_checkpointing", None)
     if config.reward.format_weight:
         options["reward_weights"] = [1.0, float(config.reward.format_weight)]
+    # DeltaRecorder would refuse DeepSpeed at train begin: say so first (transformers wants deepspeed installed)
+    refuse_deepspeed(SimpleNamespace(deepspeed=options.get("deepspeed")), who=None)
     try:
-        return GRPOConfig(**options)
+        args = GRPOConfig(**device_options(options))
     except (ValueError, TypeError) as error:  # TRL's and transformers' own cross-field checks
         raise RelexError(f"grpo: {error}") from None
+    return args
+
+
+def device_options(options: dict) -> dict:
+    """Several processes without CUDA train on the CPU with gloo: transformers otherwise leaves each process to
+    train alone (accelerate only sees a distributed CPU run when told `use_cpu`)."""
+    if launched() and "use_cpu" not in options:
+        import torch
+
+        if not torch.cuda.is_available():
+            return {**options, "use_cpu": True}
+    return options
 
 
 def checkpoint_to_resume(run_dir: Path, config: TrainConfig) -> str | None:
@@ -321,8 +433,9 @@ def build_trainer(prepared: Prepared, *, show_progress: bool = True, recorder=No
     from relex.train.progress import StepLogger
 
     config, run_dir = prepared.config, prepared.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_config(run_dir / CONFIG_NAME, config, prepared.model_path)
+    if is_main_process():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_config(run_dir / CONFIG_NAME, config, prepared.model_path)
     if recorder is None:
         recorder = DeltaRecorder(run_dir / STORE_NAME, every=config.record.every, delta_dtype=config.record.delta_dtype)
     logger = StepLogger(run_dir / LOG_NAME, recorder, show_progress=show_progress)
