@@ -12,14 +12,15 @@ import torch
 from safetensors.torch import load_file
 
 from relex.accelerate import AccelerateConfig, run_accelerate
-from relex.accelerate.decision import Candidate, decide
+from relex.accelerate.decision import Candidate, confirm, decide
 from relex.accelerate.loop import read_jumps
 from relex.accelerate.optimizer import apply_policy
-from relex.accelerate.validation import read_folder, validation_split
+from relex.accelerate.validation import read_folder, split_confirmation, validation_split
 from relex.errors import RelexError
 from relex.extrapolate import ExtrapolateConfig, extrapolate_store
 from relex.fit import FitConfig
 from relex.store import TrajectoryStore
+from relex.sweep import validation_task
 from relex.train import load_config
 from tests.conftest import cli
 from tests.test_fit_extrapolate import OBSERVED, relex64, trajectory64
@@ -106,6 +107,49 @@ def test_resume_across_a_jump(tmp_path):
     assert lines == [1, 2, 3, 4]
     second = TrajectoryStore.open(run / "segments" / "001")
     assert second.steps == [1, 2] and second.manifest["created_by"]["segment_start_step"] == 2
+
+
+@pytest.mark.parametrize("confirmed", [True, False])
+def test_a_picked_candidate_jumps_only_when_fresh_problems_confirm_it(tmp_path, confirmed):
+    scorer = scorer_preferring(candidates=True)
+    confirmer = scorer_preferring(candidates=confirmed)
+    config = load_config(TINY, out=tmp_path / "run", max_steps=3)
+    run = run_accelerate(config, AccelerateConfig.from_dict(config.accelerate), show_progress=False, scorer=scorer,
+                         confirmer=confirmer)
+    first = read_jumps(run)[0]
+    # only the current weights and the picked candidate are scored again, and only when the guard picked one
+    farthest = {c["name"] for c in first["candidates"] if c["target"] == 4}
+    assert len(confirmer.calls) == 1 and confirmer.calls[0][0] == "current" and confirmer.calls[0][1] in farthest
+    confirmation = first["confirmation"]
+    assert confirmation["n"] == 20 and confirmation["jump"] is confirmed and first["jumped"] is confirmed
+    if confirmed:
+        assert confirmation["diff"] == 1.0 and first["virtual_step_after"] == 4
+    else:
+        assert "; confirmation: gains -1.000 < +0.010 on 20 fresh problems" in first["reason"]
+        assert first["chosen"] is None and first["virtual_step_after"] == 2
+        assert not TrajectoryStore.open(run / "segments" / "001").manifest["created_by"]["origin"]["jump"]
+    summary = json.loads((run / "accelerate-summary.json").read_text())
+    assert summary["validation_generations"] == 20 * 5 + 2 * 20 + 20  # pick: 5 states; confirm: 2; last decision: 1
+
+
+def test_confirm_is_the_guard_on_fresh_problems():
+    chosen = Candidate("relex", 2.0, 1.0, 8)
+    passed = confirm(chosen, [1.0] * 30 + [0.0] * 10, [1.0] * 20 + [0.0] * 20, margin=0.05, min_gain=0.01)
+    assert passed.jump and passed.diff == pytest.approx(0.25) and passed.accuracy == 0.75 and passed.n == 40
+    tied = confirm(chosen, [1.0, 0.0] * 20, [1.0, 0.0] * 20, margin=0.05, min_gain=0.01)
+    assert not tied.jump and "gains +0.000 < +0.010 on 40 fresh problems" == tied.reason
+    noisy = confirm(chosen, [1.0, 0.0, 0.0, 1.0] * 10, [0.0, 1.0, 0.0, 1.0] * 10, margin=0.0, min_gain=-1.0)
+    assert not noisy.jump and noisy.reason.startswith("may lose up to")
+
+
+def test_the_confirmation_problems_are_the_validation_draw_after_the_first_n():
+    config = load_config(TINY)
+    drawn = validation_task(config.task, 30)
+    pick, fresh = split_confirmation(drawn, 20)
+    questions = [r["question"] for r in drawn.rows("eval")]
+    assert [r["question"] for r in pick.rows("eval")] == questions[:20]
+    assert [r["question"] for r in fresh.rows("eval")] == questions[20:]
+    assert pick.verifier == fresh.verifier == drawn.verifier
 
 
 def test_the_readme_command_runs_with_real_validation(tmp_path):
@@ -217,8 +261,6 @@ def test_keep_naming_no_module_type_of_the_model_fails_at_the_first_jump(tmp_pat
 
 def test_a_validation_split_overlapping_train_is_refused():
     config = load_config(TINY)
-    from relex.sweep import validation_task
-
     rows = validation_task(config.task, 20).rows("eval")
     with pytest.raises(RelexError, match="also occur in the train split"):
         validation_split(config.task, 20, train_rows=rows[:3])
@@ -273,3 +315,15 @@ def test_a_task_with_fixed_splits_validates_on_problems_carved_from_train(tmp_pa
     assert questions == [r["question"] for r in train[-10:]]
     with pytest.raises(RelexError, match="would leave too few"):
         validation_split(spec, 30, train)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [({"confirm_size": -1}, "confirm_size: expected a non-negative integer"),
+     ({"confirm_size": 10, "margin": 0.05}, "confirm_size 10 cannot resolve margin 0.05"),
+     ({"confirm_size": "many"}, "confirm_size")],
+)
+def test_bad_confirmation_sizes_fail_in_one_line(settings, message):
+    with pytest.raises(RelexError, match=message):
+        AccelerateConfig.from_dict(settings)
+    assert AccelerateConfig.from_dict({"confirm_size": 0}).confirm_size == 0  # 0: no confirmation

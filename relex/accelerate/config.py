@@ -75,6 +75,11 @@ class AccelerateConfig:
         factory=list,
     )
     validation_size: int = setting(64, "validation problems, disjoint from the train and test problems")
+    # the GPU study (analysis/README.md, section 5): picking the best of several candidates on the problems that
+    # then judge it overstates its gain (the winner's curse); a second, fresh set judges the one picked
+    confirm_size: int = setting(
+        64, "fresh validation problems on which the picked candidate must pass the guard again (0: no confirmation)"
+    )
     margin: float = setting(0.05, "a jump may not be credibly worse than the current weights by more than this")
     # the study (analysis/README.md, section 5): a jump whose validation score equalled the current weights' cost
     # 0.040 [0.003, 0.077] held-out accuracy, and resetting the optimizer after a jump ended 0.043 above keeping it
@@ -117,12 +122,15 @@ class AccelerateConfig:
             raise RelexError(f"accelerate.validation_size: {self.validation_size!r}: the validation split is empty; the guard needs at least one problem")
         if not _is_number(self.margin) or self.margin < 0 or not _is_number(self.min_gain):
             raise RelexError(f"accelerate.margin {self.margin!r}, min_gain {self.min_gain!r}: expected numbers, margin ≥ 0")
-        if self.margin > 0 and self.validation_size * self.margin < 1:
-            raise RelexError(
-                f"accelerate.validation_size {self.validation_size} cannot resolve margin {self.margin}: one problem "
-                f"moves the accuracy by {1 / self.validation_size:.3f}; use at least {_ceil(1 / self.margin)} problems "
-                "or a larger margin"
-            )
+        if not is_int(self.confirm_size) or self.confirm_size < 0:
+            raise RelexError(f"accelerate.confirm_size: expected a non-negative integer, got {self.confirm_size!r}")
+        for key in ("validation_size", "confirm_size"):
+            size = getattr(self, key)
+            if size and self.margin > 0 and size * self.margin < 1:
+                raise RelexError(
+                    f"accelerate.{key} {size} cannot resolve margin {self.margin}: one problem moves the accuracy by "
+                    f"{1 / size:.3f}; use at least {_ceil(1 / self.margin)} problems or a larger margin"
+                )
         if self.optimizer not in OPTIMIZER_POLICIES:
             raise RelexError(f"accelerate.optimizer: unknown policy {self.optimizer!r}; valid: {', '.join(OPTIMIZER_POLICIES)}")
         if not isinstance(self.warning, WarningConfig):

@@ -6,6 +6,10 @@ The best candidate (highest validation accuracy; a tie goes to the farther targe
 
 that is, when it scores at least `min_gain` above the current weights and the validation problems rule out a loss
 larger than `margin` (a non-inferiority test on paired problems). Otherwise the run keeps its weights and trains on.
+
+The best of several candidates, judged on the problems that picked it, looks better than it is (the winner's
+curse: its gain is the largest of several noisy gains). `confirm` judges the picked candidate once more, by the
+same rule, on fresh problems that took no part in picking it; only then does the run jump.
 """
 
 from __future__ import annotations
@@ -67,3 +71,34 @@ def decide(candidates: list[Candidate], current: list[float], *, margin: float, 
     if best.ci_low < -margin:
         return Decision(False, best, f"best candidate ({best.name}) may lose up to {-best.ci_low:.3f} > margin {margin:.3f}")
     return Decision(True, best, f"{best.name} gains {best.diff:+.3f} [{best.ci_low:+.3f}, {best.ci_high:+.3f}]")
+
+
+@dataclass
+class Confirmation:
+    """The picked candidate against the current weights on the fresh confirmation problems."""
+
+    n: int
+    accuracy: float
+    current_accuracy: float
+    diff: float
+    ci_low: float
+    ci_high: float
+    jump: bool
+    reason: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def confirm(chosen: Candidate, correct: list[float], current: list[float], *, margin: float, min_gain: float,
+            seed: int = 0) -> Confirmation:
+    """The guard's rule once more, on problems that took no part in picking `chosen`."""
+    diff, low, high = paired_bootstrap_diff(correct, current, seed=seed)
+    if diff < min_gain:
+        jump, reason = False, f"gains {diff:+.3f} < {min_gain:+.3f} on {len(current)} fresh problems"
+    elif low < -margin:
+        jump, reason = False, f"may lose up to {-low:.3f} > margin {margin:.3f} on {len(current)} fresh problems"
+    else:
+        jump, reason = True, f"gains {diff:+.3f} [{low:+.3f}, {high:+.3f}] on {len(current)} fresh problems"
+    return Confirmation(len(current), float(sum(correct) / len(correct)), float(sum(current) / len(current)),
+                        diff, low, high, jump, reason)

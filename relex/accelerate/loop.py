@@ -12,8 +12,10 @@ stops at the end of every segment (right after the step is logged, before a chec
 2. checks the early warning (relex.accelerate.warning) and, unless it is raised, writes one candidate checkpoint per
    method × α × λ with `relex extrapolate` (target = start + α·m, relex-anchored continues from the real weights);
 3. scores the current weights and each candidate on the validation problems (greedy, paired, on the live model);
-4. jumps to the best candidate when the guard allows it (relex.accelerate.decision), applies the optimizer policy
-   (relex.accelerate.optimizer), and starts the next segment from the chosen weights.
+4. picks the best candidate when the guard allows it (relex.accelerate.decision) and, with `confirm_size` > 0,
+   scores it and the current weights again on fresh validation problems, where it must pass the guard a second
+   time (the pick itself overstates the gain of the best of several candidates on the problems that picked it);
+5. jumps to it, applies the optimizer policy (relex.accelerate.optimizer), and starts the next segment there.
 
 The run folder:
 
@@ -45,7 +47,7 @@ import numpy as np
 from transformers import TrainerCallback
 
 from relex.accelerate.config import AccelerateConfig
-from relex.accelerate.decision import Candidate, decide
+from relex.accelerate.decision import Candidate, Confirmation, Decision, confirm, decide
 from relex.accelerate.optimizer import apply_policy
 from relex.accelerate.validation import (
     LiveGenerator,
@@ -170,6 +172,7 @@ class JumpController(TrainerCallback):
     run_dir: Path
     config: AccelerateConfig
     scorer: object  # (model, tokenizer, states, restore) -> {name: [0/1 per validation problem]}
+    confirmer: object = None  # the same on fresh problems, for the confirmation of a picked candidate (None: none)
     delta_dtype: object = None
     rollouts_per_step: int = 0
     step_logger: object = None  # relex.train.progress.StepLogger: told how long a decision took
@@ -268,68 +271,88 @@ class JumpController(TrainerCallback):
         timing = Timing()
         jump_dir = self.run_dir / JUMPS / f"{self.segment_index:03d}"
         signals = Signals(reward_slope=reward_slope(_rewards(state), self.config.warning.reward_window))
-        candidates: list[Candidate] = []
-        fit = None
-        if self.config.jump and length >= 2:
-            tick = time.perf_counter()
-            fit = self._fit(jump_dir)
-            signals.explained_variance, signals.r2 = fit_signals(fit)
-            signals.cosine = self._drift()
-            timing.fit = time.perf_counter() - tick
-            check(signals, self.config.warning)
-            if not signals.raised:
-                tick = time.perf_counter()
-                candidates = self._write_candidates(jump_dir, fit, start, length)
-                timing.candidates = time.perf_counter() - tick
-        else:
-            check(signals, self.config.warning)
+        candidates = self._prepare(jump_dir, signals, timing, start, length)
         tick = time.perf_counter()
         current = snapshot(self._model)
-        states = {CURRENT: current, **{c.name: c.path for c in candidates}}
-        scores = self.scorer(self._model, self._tokenizer, states, current)
-        timing.validation = time.perf_counter() - tick
+        scores = self.scorer(self._model, self._tokenizer, {CURRENT: current, **{c.name: c.path for c in candidates}}, current)
         for c in candidates:
             c.correct = scores[c.name]
             c.accuracy = float(np.mean(c.correct))
-        current_accuracy = float(np.mean(scores[CURRENT]))
         decision = decide(candidates, scores[CURRENT], margin=self.config.margin, min_gain=self.config.min_gain, seed=step)
-        if not self.config.jump:
-            reason = "jumps are off (accelerate.jump: false)"
-        elif length < 2:
-            reason = f"the segment has {length} step; a fit needs 2"
-        elif signals.raised:
-            reason = "linearity warning: " + "; ".join(signals.reasons)
-        else:
-            reason = decision.reason
+        confirmation = self._confirm(decision, current, step) if decision.jump else None
+        timing.validation = time.perf_counter() - tick
+        reason = self._reason(decision, confirmation, signals, length)
         tick = time.perf_counter()
         virtual_before = self.virtual_step + length
         self._previous_store = self.segment.store
-        if decision.jump:
-            chosen = decision.chosen
+        jumped = decision.jump and (confirmation is None or confirmation.jump)
+        chosen = decision.chosen if jumped else None
+        if chosen is not None:
             load_into(self._model, read_folder(chosen.path))
             apply_policy(self._optimizer, self.config.optimizer, chosen.target - step)
-            self.virtual_step = virtual_before + (chosen.target - step)
-        else:
-            self.virtual_step = virtual_before
+        self.virtual_step = virtual_before + (chosen.target - step if chosen else 0)
         timing.policy = time.perf_counter() - tick
+        current_accuracy = float(np.mean(scores[CURRENT]))
         line = {
-            "segment": self.segment_index, "step": step, "segment_start": start, "jumped": decision.jump,
-            "chosen": decision.chosen.to_dict() if decision.jump else None, "reason": reason,
+            "segment": self.segment_index, "step": step, "segment_start": start, "jumped": jumped,
+            "chosen": chosen.to_dict() if chosen else None, "reason": reason,
             "validation_accuracy_before": current_accuracy,
-            "validation_accuracy_after": decision.chosen.accuracy if decision.jump else current_accuracy,
+            "validation_accuracy_after": chosen.accuracy if chosen else current_accuracy,
             "validation_n": len(scores[CURRENT]), "virtual_step_before": virtual_before,
             "virtual_step_after": self.virtual_step, "optimizer": self.config.optimizer,
             "candidates": [c.to_dict() for c in candidates], "signals": signals.to_dict(),
+            "confirmation": confirmation.to_dict() if confirmation else None,
             "seconds": {"fit": timing.fit, "candidates": timing.candidates, "validation": timing.validation, "policy": timing.policy},
         }
-        LOG.info("step %d: %s (%s)", step, "jump" if decision.jump else "kept", reason)
+        LOG.info("step %d: %s (%s)", step, "jump" if jumped else "kept", reason)
         self._cleanup(jump_dir)
+        self._record(line, timing)
+        if step < state.max_steps or jumped:
+            self.segment_index += 1
+            self._start_segment(step, _origin(line))
+
+    def _prepare(self, jump_dir: Path, signals: Signals, timing: Timing, start: int, length: int) -> list[Candidate]:
+        """Fit the segment, fill in the warning's signals and, unless the warning is raised, write the candidates."""
+        if not (self.config.jump and length >= 2):
+            check(signals, self.config.warning)
+            return []
+        tick = time.perf_counter()
+        fit = self._fit(jump_dir)
+        signals.explained_variance, signals.r2 = fit_signals(fit)
+        signals.cosine = self._drift()
+        timing.fit = time.perf_counter() - tick
+        check(signals, self.config.warning)
+        if signals.raised:
+            return []
+        tick = time.perf_counter()
+        candidates = self._write_candidates(jump_dir, fit, start, length)
+        timing.candidates = time.perf_counter() - tick
+        return candidates
+
+    def _confirm(self, decision: Decision, current: dict, step: int) -> Confirmation | None:
+        """The picked candidate against the current weights on the fresh confirmation problems (None: none kept)."""
+        if self.confirmer is None:
+            return None
+        chosen = decision.chosen
+        scores = self.confirmer(self._model, self._tokenizer, {CURRENT: current, chosen.name: chosen.path}, current)
+        return confirm(chosen, scores[chosen.name], scores[CURRENT], margin=self.config.margin,
+                       min_gain=self.config.min_gain, seed=step)
+
+    def _reason(self, decision: Decision, confirmation: Confirmation | None, signals: Signals, length: int) -> str:
+        if not self.config.jump:
+            return "jumps are off (accelerate.jump: false)"
+        if length < 2:
+            return f"the segment has {length} step; a fit needs 2"
+        if signals.raised:
+            return "linearity warning: " + "; ".join(signals.reasons)
+        if confirmation is not None:
+            return f"{decision.reason}; confirmation: {confirmation.reason}"
+        return decision.reason
+
+    def _record(self, line: dict, timing: Timing) -> None:
         write_jumps(self.run_dir, [*read_jumps(self.run_dir), line])
         for key in ("fit", "candidates", "validation", "policy"):
             setattr(self.jump_seconds, key, getattr(self.jump_seconds, key) + getattr(timing, key))
-        if step < state.max_steps or decision.jump:
-            self.segment_index += 1
-            self._start_segment(step, _origin(line))
 
     def _fit(self, jump_dir: Path):
         fit = fit_store(self.segment.store, FitConfig(rank=self.config.rank))
@@ -381,7 +404,9 @@ class JumpController(TrainerCallback):
             "jumps": sum(1 for j in jumps if j["jumped"]),
             "final_validation_accuracy": jumps[-1]["validation_accuracy_after"] if jumps else None,
             "rollouts": state.global_step * self.rollouts_per_step,
-            "validation_generations": sum(j["validation_n"] * (1 + len(j["candidates"])) for j in jumps),
+            "validation_generations": sum(
+                j["validation_n"] * (1 + len(j["candidates"])) + 2 * (j.get("confirmation") or {}).get("n", 0) for j in jumps
+            ),
             "seconds": {
                 "wall": wall,
                 "grpo": sum(line.get("step_seconds", 0.0) for line in lines),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from relex.accelerate.config import AccelerateConfig
 from relex.accelerate.loop import JumpController, ValidationScorer
-from relex.accelerate.validation import carved_from_train, validation_split
+from relex.accelerate.validation import carved_from_train, split_confirmation, validation_split
 from relex.errors import RelexError
 from relex.io.atomic import write_lock
 from relex.train.config import TrainConfig
@@ -26,7 +26,7 @@ def accelerate_config(config: TrainConfig, **overrides) -> AccelerateConfig:
 
 
 def run_accelerate(config: TrainConfig, accelerate: AccelerateConfig | None = None, *, resume: bool = False,
-                   show_progress: bool = True, scorer=None) -> Path:
+                   show_progress: bool = True, scorer=None, confirmer=None) -> Path:
     """GRPO segments alternating with guarded jumps (relex.accelerate.loop), under a lock on the run folder.
 
     Args:
@@ -36,6 +36,7 @@ def run_accelerate(config: TrainConfig, accelerate: AccelerateConfig | None = No
         show_progress: draw a progress bar (only on a terminal).
         scorer: replaces the validation scorer, `(model, tokenizer, states, restore) -> {name: [0/1 per problem]}`
             (tests inject one).
+        confirmer: with an injected scorer, the scorer of the confirmation problems (None: no confirmation).
 
     Returns:
         The run folder: log.jsonl, jumps.jsonl, segments/, jumps/, final/, accelerate-summary.json.
@@ -57,26 +58,36 @@ def run_accelerate(config: TrainConfig, accelerate: AccelerateConfig | None = No
         if done is not None:
             LOG.warning("%s: already trained to step %d (grpo.max_steps %d); nothing to do", run_dir, done, prepared.args.max_steps)
             return run_dir
-        train(prepared, config, accelerate, scorer, show_progress)
+        train(prepared, config, accelerate, scorer, confirmer, show_progress)
     return prepared.run_dir
 
 
-def train(prepared, config: TrainConfig, accelerate: AccelerateConfig, scorer, show_progress: bool) -> None:
+def validation_scorers(prepared, config: TrainConfig, accelerate: AccelerateConfig):
+    """The scorers of the validation problems that pick a candidate and of those that confirm it (None: none)."""
+    grpo = prepared.args
+    train_rows = prepared.task.rows("train")
+    n, extra = accelerate.validation_size, accelerate.confirm_size
+    task = validation_split(config.task, n + extra, train_rows)
+    if carved_from_train(task):  # the validation problems leave the train split
+        prepared.task._rows["train"] = train_rows[: -(n + extra)]
+    pick, fresh = split_confirmation(task, n)
+    max_new_tokens = accelerate.max_new_tokens or grpo.max_completion_length
+    scorer = ValidationScorer(pick, n, accelerate.batch_size, max_new_tokens, seed=grpo.seed)
+    confirmer = ValidationScorer(fresh, extra, accelerate.batch_size, max_new_tokens, seed=grpo.seed) if extra else None
+    return scorer, confirmer
+
+
+def train(prepared, config: TrainConfig, accelerate: AccelerateConfig, scorer, confirmer, show_progress: bool) -> None:
     grpo = prepared.args
     grpo.save_steps = accelerate.segment_steps  # checkpoints at segment ends, after each decision
     if scorer is None:
-        train_rows = prepared.task.rows("train")
-        task = validation_split(config.task, accelerate.validation_size, train_rows)
-        if carved_from_train(task):  # the validation problems leave the train split
-            prepared.task._rows["train"] = train_rows[: -accelerate.validation_size]
-        max_new_tokens = accelerate.max_new_tokens or grpo.max_completion_length
-        scorer = ValidationScorer(task, accelerate.validation_size, accelerate.batch_size, max_new_tokens, seed=grpo.seed)
+        scorer, confirmer = validation_scorers(prepared, config, accelerate)
     if show_progress:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
     controller = JumpController(
-        prepared.run_dir, accelerate, scorer, delta_dtype=config.record.delta_dtype,
+        prepared.run_dir, accelerate, scorer, confirmer, delta_dtype=config.record.delta_dtype,
         rollouts_per_step=grpo.per_device_train_batch_size * grpo.gradient_accumulation_steps * grpo.world_size,
     )
     trainer, _ = build_trainer(prepared, show_progress=show_progress, recorder=controller)

@@ -77,6 +77,15 @@ def validation_split(spec, n: int, train_rows: list[dict]):
     return task
 
 
+def split_confirmation(task, n: int):
+    """(the first `n` validation problems, the rest): the problems that pick a candidate and those that confirm it."""
+    from relex.tasks import Task
+
+    rows = task.rows(EVAL)
+    return (Task(task.name, task.verifier, {EVAL: rows[:n]}),
+            Task(f"{task.name} (confirmation)", task.verifier, {EVAL: rows[n:]}))
+
+
 def carved_from_train(task) -> bool:
     return task.name.endswith("(validation, from train)")
 

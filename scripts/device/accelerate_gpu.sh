@@ -10,7 +10,7 @@ timeout "$train" python3 -m relex train --config analysis/configs/accelerate-gpu
 timeout "$train" python3 -m relex accelerate --config analysis/configs/accelerate-gpu-jump-reset.yaml --no-progress > runs-jump-reset.log 2>&1 &
 timeout "$train" python3 -m relex accelerate --config analysis/configs/accelerate-gpu-jump-m2.yaml --no-progress > runs-jump-m2.log 2>&1 &
 wait
-tail -3 runs-*.log
+tail -n 3 runs-*.log
 for run in runs/gpu/*/; do echo "$run: $(wc -l < "$run/log.jsonl") steps logged"; done
 timeout "${STUDY_SECONDS:-150}" python3 analysis/accelerate_study.py --runs runs/gpu --config analysis/configs/accelerate-gpu-plain.yaml \
   --name accelerate-gpu --n "${HELD_OUT:-400}" --batch-size 200 --results "$OUT" --figures "$OUT" 2>&1 | tee "$OUT/study.log" | tail -60
