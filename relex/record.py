@@ -352,7 +352,7 @@ def deepspeed_in_use(args=None, model=None) -> str | None:
     if getattr(args, "deepspeed", None):
         return f"the training arguments name a DeepSpeed config ({args.deepspeed!r})"
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true"):
-        return "accelerate launch --use_deepspeed (ACCELERATE_USE_DEEPSPEED is set)"
+        return "ACCELERATE_USE_DEEPSPEED is set, as accelerate launch --use_deepspeed does"
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
 
@@ -367,7 +367,7 @@ def refuse_deepspeed(args=None, model=None, who: str | None = "DeltaRecorder") -
     if found is not None:
         raise RelexError(
             f"{who + ': ' if who else ''}this run trains with DeepSpeed ({found}); recording supports {SUPPORTED}. Train with one of "
-            "those, or save checkpoints under DeepSpeed and make a store of them with `relex ingest`"
+            "those, or save checkpoints under DeepSpeed and make a store of them with relex ingest"
         )
 
 

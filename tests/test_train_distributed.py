@@ -224,6 +224,6 @@ def test_relex_train_under_accelerate_deepspeed_is_refused_before_training(tmp_p
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what `accelerate launch --use_deepspeed` sets
     assert main(["train", "--config", str(TINY), "--out", str(tmp_path / "run"), "--no-progress"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("relex train: error: this run trains with DeepSpeed (accelerate launch --use_deepspeed")
+    assert len(lines) == 1 and lines[0].startswith("relex train: error: this run trains with DeepSpeed (ACCELERATE_USE_DEEPSPEED is set")
     assert "DDP and FSDP/FSDP2" in lines[0]
     assert not (tmp_path / "run").exists()

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 import shutil
 import time
@@ -331,6 +332,8 @@ def device_options(options: dict) -> dict:
         import torch
 
         if not torch.cuda.is_available():
+            if is_main_process() and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+                LOG.warning("accelerate applies FSDP on GPUs only: these CPU processes train with DDP (each holds the whole model)")
             return {**options, "use_cpu": True}
     return options
 
