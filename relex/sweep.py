@@ -28,9 +28,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relex.errors import RelexError
-from relex.fit import FitConfig
+from relex.evaluate import evaluate
+from relex.evaluate.metrics import paired_bootstrap_diff
+from relex.evaluate.report import write_outputs
+from relex.extrapolate import ExtrapolateConfig, extrapolate_store, get_method
+from relex.fit import FitConfig, fit_store
+from relex.fit.fit import observed_steps
 from relex.io.atomic import atomic_output, check_output, write_json_atomic
 from relex.settings import setting
+from relex.store import TrajectoryStore
+from relex.tasks import EVAL, Task, load_task
 from relex.tasks.spec import TaskSpec, as_task_spec
 from relex.util import is_int
 
@@ -107,8 +114,6 @@ class SweepResult:
 # ---- validation problems ------------------------------------------------------------------------------------------
 def validation_task(task, n: int):
     """A Task whose held-out split is `n` validation problems: another draw of the eval split, minus test questions."""
-    from relex.tasks import EVAL, Task, load_task
-
     spec = as_task_spec(task)
     test_questions = {row["question"] for row in load_task(spec).rows(EVAL)}
     shifted = dataclasses.replace(spec, eval_seed=spec.eval_seed + VALIDATION_SEED_OFFSET, eval_size=VALIDATION_DRAW_FACTOR * n)
@@ -129,16 +134,12 @@ def _accuracy(result) -> dict:
 
 def compare(result, reference, seed: int) -> Comparison:
     """Paired bootstrap of `result` minus `reference` on the same validation problems."""
-    from relex.evaluate.metrics import paired_bootstrap_diff
-
     diff, low, high = paired_bootstrap_diff(result.greedy_correct(), reference.greedy_correct(), seed=seed)
     return Comparison(reference.checkpoint, diff, low, high)
 
 
 def write_checkpoints(store, out_dir: Path, config: SweepConfig) -> list:
     """The fit (when the method needs one) and one checkpoint per target; returns the extrapolation reports."""
-    from relex.extrapolate import ExtrapolateConfig, extrapolate_store, get_method
-    from relex.fit import fit_store
 
     fit = None
     if get_method(config.method).needs_fit:
@@ -150,10 +151,6 @@ def write_checkpoints(store, out_dir: Path, config: SweepConfig) -> list:
 
 def sweep(store_dir: str | Path, out_dir: str | Path, config: SweepConfig, generator_factory=None) -> SweepResult:
     """Extrapolate to every target, evaluate each on validation problems, and recommend one."""
-    from relex.evaluate import evaluate
-    from relex.evaluate.report import write_outputs
-    from relex.fit.fit import observed_steps
-    from relex.store import TrajectoryStore
 
     out_dir = Path(out_dir)
     store = TrajectoryStore.open(store_dir)

@@ -7,7 +7,8 @@ import torch
 
 from relex.errors import RelexError
 from relex.evaluate import evaluate
-from relex.evaluate.logits import LogitsGenerator, parse_logits_spec
+from relex.evaluate.checkpoints import parse_logits_spec
+from relex.evaluate.logits import LogitsGenerator
 from relex.models import make_tiny_llama
 
 PROMPTS = [[{"role": "user", "content": "What is 3 + 4?"}], [{"role": "user", "content": "Add 12 and 30, then tell me."}]]

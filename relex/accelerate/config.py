@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relex.errors import RelexError
+from relex.extrapolate.methods import METHODS
 from relex.settings import load, setting
 from relex.util import is_int
 
@@ -106,8 +107,6 @@ class AccelerateConfig:
             raise RelexError(f"accelerate.scales {self.scales}: each λ must be > 0 (λ = 1 keeps the prediction)")
         if not isinstance(self.methods, list) or not self.methods:
             raise RelexError("accelerate.methods: give one or more extrapolation methods, e.g. [relex-anchored, relex]")
-        from relex.extrapolate.methods import METHODS
-
         for name in self.methods:
             METHODS.get(name)  # an unknown name fails with the valid ones
             if name in ("observed", "reconstruct"):

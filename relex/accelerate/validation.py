@@ -16,7 +16,8 @@ import torch
 
 from relex.errors import RelexError
 from relex.evaluate.generate import TransformersGenerator
-from relex.tasks import EVAL
+from relex.sweep import validation_task
+from relex.tasks import EVAL, Task, load_task
 from relex.tasks.task import count_leaked
 
 LOG = logging.getLogger(__name__)
@@ -58,7 +59,6 @@ def validation_split(spec, n: int, train_rows: list[dict]):
     A task whose held-out split can be drawn again with another seed (reasoning-gym, unlabelled files) gets a
     fresh draw minus the test questions (relex.sweep.validation_task); one with fixed split labels (a hub
     dataset's train/test) gets its last `n` train problems, which `carve_from_train` then keeps out of training."""
-    from relex.sweep import validation_task
     from relex.tasks import Task
 
     if n < 1:
@@ -79,8 +79,6 @@ def validation_split(spec, n: int, train_rows: list[dict]):
 
 def split_confirmation(task, n: int):
     """(the first `n` validation problems, the rest): the problems that pick a candidate and those that confirm it."""
-    from relex.tasks import Task
-
     rows = task.rows(EVAL)
     return (Task(task.name, task.verifier, {EVAL: rows[:n]}),
             Task(f"{task.name} (confirmation)", task.verifier, {EVAL: rows[n:]}))
@@ -91,8 +89,6 @@ def carved_from_train(task) -> bool:
 
 
 def load_verifier_name(spec) -> str:
-    from relex.tasks import load_task
-
     return load_task(spec).verifier
 
 

@@ -4,12 +4,14 @@
     runs/grpo/trajectory@40        step 40 of a trajectory store: θ₀ + Δ₄₀ is written to a temporary folder,
                                    evaluated, then deleted
     smollm2-135m-instruct          a model alias of `relex.models.resolve_model`, or a Hugging Face hub id
+    logits(A,B,ALPHA)              two checkpoints decoded together, l_A + α (l_B − l_A) (relex.evaluate.logits)
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -18,8 +20,13 @@ from pathlib import Path
 from typing import Iterator
 
 from relex.errors import RelexError
+from relex.extrapolate import materialize_step
+from relex.io.checkpoint import weight_files
+from relex.models import EMBEDDED_ALIASES, EMBEDDED_MODEL, cache_dir, resolve_model
+from relex.store import TrajectoryStore
 
 LOG = logging.getLogger(__name__)
+PATTERN = re.compile(r"^logits\((?P<a>[^,]+),(?P<b>[^,]+),(?P<alpha>[^,()]+)\)$")
 
 
 @dataclass(frozen=True)
@@ -35,8 +42,6 @@ def parse_checkpoint(text: str) -> CheckpointRef:
     folder, at, step = text.rpartition("@")
     if at and step.isdigit() and not Path(text).exists():
         return _store_step(text, Path(folder), int(step))
-    from relex.io.checkpoint import weight_files
-    from relex.models import resolve_model
 
     model = resolve_model(text)  # refuses a folder without config.json, or a missing path
     if Path(model).is_dir():
@@ -50,8 +55,6 @@ def parse_checkpoint(text: str) -> CheckpointRef:
 
 
 def _store_step(text: str, store: Path, step: int) -> CheckpointRef:
-    from relex.store import TrajectoryStore
-
     if not store.is_dir():
         raise RelexError(f"checkpoint {text}: no trajectory store folder {store}")
     opened = TrajectoryStore.open(store)
@@ -80,8 +83,6 @@ def model_folder(ref: CheckpointRef) -> Iterator[str]:
     if ref.store is None:
         yield ref.model
         return
-    from relex.extrapolate import materialize_step
-
     scratch = Path(tempfile.mkdtemp(prefix="relex-eval-"))
     try:
         LOG.info("materialising step %d of %s", ref.step, ref.store)
@@ -93,14 +94,10 @@ def model_folder(ref: CheckpointRef) -> Iterator[str]:
 def checkpoint_inputs(texts) -> list[Path]:
     """The local folders the checkpoints `texts` read (model folders, stores and their bases, the embedded model's
     cache folder), found without loading anything: `--overwrite` must never replace one of them."""
-    from relex.models import EMBEDDED_ALIASES, EMBEDDED_MODEL, cache_dir
-
     found: list[Path] = []
     for text in texts:
         text = str(text)
         if text.startswith("logits("):
-            from relex.evaluate.logits import parse_logits_spec
-
             try:
                 spec = parse_logits_spec(text)
             except RelexError:
@@ -115,11 +112,34 @@ def checkpoint_inputs(texts) -> list[Path]:
         if not path.exists() and at and step.isdigit():
             path = Path(folder).expanduser()
             try:
-                from relex.store import TrajectoryStore
-
                 found.append(Path(TrajectoryStore.open(path).base_dir))
             except (RelexError, OSError, ValueError):
                 pass  # not a store: refused with its own message when parsed
         if path.exists():
             found.append(path)
     return found
+
+
+@dataclass(frozen=True)
+class LogitsSpec:
+    label: str
+    a: str
+    b: str
+    alpha: float
+
+
+def is_logits_spec(text: str) -> bool:
+    return text.startswith("logits(")
+
+
+def parse_logits_spec(text: str) -> LogitsSpec:
+    match = PATTERN.match(text.replace(" ", ""))
+    if not match:
+        raise RelexError(f"{text!r}: logits extrapolation is written logits(A,B,ALPHA), e.g. logits(run@4,run@8,2)")
+    try:
+        alpha = float(match["alpha"])
+    except ValueError:
+        raise RelexError(f"{text!r}: ALPHA {match['alpha']!r} is not a number") from None
+    if not alpha > 0:
+        raise RelexError(f"{text!r}: ALPHA must be positive (1 is B itself, 2 twice as far from A)")
+    return LogitsSpec(text, match["a"], match["b"], alpha)

@@ -25,10 +25,14 @@ import numpy as np
 
 from relex.errors import RelexError
 from relex.evaluate import metrics
+from relex.evaluate.checkpoints import checkpoint_inputs, is_logits_spec, model_folder, parse_checkpoint, parse_logits_spec
 from relex.evaluate.generate import Completion, Generator, check_backend, load_generator
+from relex.evaluate.logits import check_logits_spec, open_logits_generator
+from relex.evaluate.report import check_out_dir, write_outputs
 from relex.settings import setting
 from relex.tasks import as_task_spec, load_task
 from relex.util import is_int, is_positive_int
+from relex.verifiers import count_failures, extract_final_answer, get_verifier
 
 LOG = logging.getLogger(__name__)
 
@@ -166,8 +170,6 @@ def evaluate(
         result = evaluate(["runs/demo/extrapolated/step-60", "runs/demo/trajectory@30"],
                           {"source": "reasoning_gym", "name": "chain_sum"}, n=100, out_dir="runs/demo/eval")
     """
-    from relex.evaluate.checkpoints import checkpoint_inputs
-    from relex.evaluate.report import check_out_dir, write_outputs
 
     settings = EvalSettings(n, samples, temperature, seed, backend, batch_size, max_new_tokens)  # checked here
     if not checkpoints:
@@ -198,13 +200,6 @@ def loaded_task(task) -> tuple[object, dict]:
 
 def checkpoint_generators(checkpoints: Sequence[str], settings: EvalSettings) -> GeneratorFactory:
     """Checks every checkpoint now (before hours of generation), then opens them one at a time."""
-    from relex.evaluate.checkpoints import parse_checkpoint
-    from relex.evaluate.logits import (
-        check_logits_spec,
-        is_logits_spec,
-        parse_logits_spec,
-    )
-
     refs = {}
     for text in checkpoints:
         if is_logits_spec(text):  # logits(A,B,ALPHA): decode-time extrapolation of two checkpoints
@@ -217,8 +212,6 @@ def checkpoint_generators(checkpoints: Sequence[str], settings: EvalSettings) ->
 
 @contextmanager
 def _open_generator(checkpoint: str, *, refs: dict, settings: EvalSettings):
-    from relex.evaluate.checkpoints import model_folder
-    from relex.evaluate.logits import open_logits_generator
 
     if isinstance(refs[checkpoint], tuple):
         spec, pair = refs[checkpoint]
@@ -262,8 +255,6 @@ def _check_shapes(checkpoint: str, completions: list[list[Completion]], n_rows: 
 
 def score(task, rows: list[dict], completions: list[list[Completion]]) -> list[list[Verdict]]:
     """Verdicts of the task's verifier on every completion, called once on the flattened list (TRL's signature)."""
-    from relex.verifiers import extract_final_answer, get_verifier
-
     verify = get_verifier(task.verifier)
     flat = [(row, c) for row, group in zip(rows, completions) for c in group]
     columns = {key: [row[key] for row, _ in flat] for key in rows[0] if key != "prompt"}
@@ -282,8 +273,6 @@ def majority_correct(verdicts: list[Verdict]) -> bool:
 
 
 def _summarise(checkpoint, task, rows, greedy, sampled, seconds, settings: EvalSettings) -> CheckpointResult:
-    from relex.verifiers import count_failures
-
     with count_failures() as counted:
         greedy_verdicts = [group[0] for group in score(task, rows, greedy)]
         sampled_verdicts = score(task, rows, sampled) if sampled is not None else None

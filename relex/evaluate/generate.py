@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from relex.errors import RelexError
+from relex.models import hub_failure
 from relex.registry import Registry
 
 LOG = logging.getLogger(__name__)
@@ -84,8 +85,6 @@ class TransformersGenerator:
             dtype = "auto" if self.device == "cuda" else torch.float32
             self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
         except (OSError, ValueError) as error:
-            from relex.models import hub_failure
-
             offline = hub_failure(error, model_path)  # a hub id with no network: say so in one line
             raise RelexError(offline or f"checkpoint {model_path}: cannot load its tokenizer or model ({error})") from None
         if self.tokenizer.chat_template is None:

@@ -12,39 +12,11 @@ says which differs. Only the transformers backend decodes this way.
 
 from __future__ import annotations
 
-import re
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from relex.errors import RelexError
+from relex.evaluate.checkpoints import LogitsSpec, model_folder, parse_checkpoint
 from relex.evaluate.generate import TransformersGenerator
-
-PATTERN = re.compile(r"^logits\((?P<a>[^,]+),(?P<b>[^,]+),(?P<alpha>[^,()]+)\)$")
-
-
-@dataclass(frozen=True)
-class LogitsSpec:
-    label: str
-    a: str
-    b: str
-    alpha: float
-
-
-def is_logits_spec(text: str) -> bool:
-    return text.startswith("logits(")
-
-
-def parse_logits_spec(text: str) -> LogitsSpec:
-    match = PATTERN.match(text.replace(" ", ""))
-    if not match:
-        raise RelexError(f"{text!r}: logits extrapolation is written logits(A,B,ALPHA), e.g. logits(run@4,run@8,2)")
-    try:
-        alpha = float(match["alpha"])
-    except ValueError:
-        raise RelexError(f"{text!r}: ALPHA {match['alpha']!r} is not a number") from None
-    if not alpha > 0:
-        raise RelexError(f"{text!r}: ALPHA must be positive (1 is B itself, 2 twice as far from A)")
-    return LogitsSpec(text, match["a"], match["b"], alpha)
 
 
 class ExtrapolatedLogits:
@@ -121,8 +93,6 @@ class LogitsGenerator(TransformersGenerator):
 
 def check_logits_spec(spec: LogitsSpec, backend: str) -> tuple:
     """The parsed checkpoints A and B, checked now (before any generation)."""
-    from relex.evaluate.checkpoints import parse_checkpoint
-
     if backend != "transformers":
         raise RelexError(f"{spec.label}: logits extrapolation decodes with the transformers backend, not {backend}")
     return parse_checkpoint(spec.a), parse_checkpoint(spec.b)
@@ -130,8 +100,6 @@ def check_logits_spec(spec: LogitsSpec, backend: str) -> tuple:
 
 @contextmanager
 def open_logits_generator(refs: tuple, spec: LogitsSpec, settings):
-    from relex.evaluate.checkpoints import model_folder
-
     with model_folder(refs[0]) as folder_a, model_folder(refs[1]) as folder_b:
         generator = LogitsGenerator(folder_a, folder_b, spec.alpha, batch_size=settings.batch_size,
                                     max_new_tokens=settings.max_new_tokens)

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from relex.errors import RelexError
+from relex.io.dtypes import parse_dtype
+from relex.models import make_tiny_llama
 from relex.settings import check_keys, load, read_yaml_mapping, setting
 from relex.tasks import TaskSpec, as_task_spec
 from relex.util import is_positive_int
@@ -100,8 +102,6 @@ class ModelConfig:
         if self.tiny is not None:
             if not isinstance(self.tiny, dict):
                 raise RelexError(f"model.tiny: expected a mapping of make_tiny_llama options, got {self.tiny!r}")
-            from relex.models import make_tiny_llama
-
             valid = [p for p in inspect.signature(make_tiny_llama).parameters if p != "out_dir"]
             check_keys(self.tiny, valid, "model.tiny")
         elif self.name is None:
@@ -128,8 +128,6 @@ class RecordConfig:
             if not is_positive_int(getattr(self, key)):
                 raise RelexError(f"record.{key}: expected a positive integer, got {getattr(self, key)!r}")
         if self.delta_dtype is not None:
-            from relex.io.dtypes import parse_dtype
-
             parse_dtype(self.delta_dtype)
 
 
