@@ -75,7 +75,7 @@ def two_process_run(tmp_path_factory):
 
 def test_two_processes_write_one_run(two_process_run):
     run, done = two_process_run
-    assert "run written to" in done.stdout
+    assert done.stdout.count("run written to") == 1
     assert [json.loads(line)["step"] for line in (run / "log.jsonl").read_text().splitlines()] == [1, 2]
     assert json.loads((run / "summary.json").read_text())["recorded_steps"] == [1, 2]
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "log.jsonl", "model", "summary.json",

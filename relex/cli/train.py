@@ -3,6 +3,7 @@
 from relex.cli.common import run_config_file
 from relex.present import show
 from relex.train import load_config, run_training
+from relex.train.grpo import is_main_process
 
 
 def add_arguments(parser) -> None:
@@ -17,5 +18,6 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     config = load_config(run_config_file(args), out=args.out, max_steps=args.max_steps, record_every=args.record_every)
     run_dir = run_training(config, resume=args.resume, show_progress=not args.no_progress)
-    show(f"run written to {run_dir} (trajectory store: {run_dir / 'trajectory'}, log: {run_dir / 'log.jsonl'})")
+    if is_main_process():  # under accelerate launch or torchrun: once, not once per rank
+        show(f"run written to {run_dir} (trajectory store: {run_dir / 'trajectory'}, log: {run_dir / 'log.jsonl'})")
     return 0

@@ -129,10 +129,13 @@ def joined_ranks():
 
 
 def is_main_process() -> bool:
-    """Whether this process writes the run folder: the only one, or rank 0 of several."""
+    """Whether this process writes the run folder: the only one, or rank 0 of several (after training, when the
+    process group is closed, as the launcher's RANK says)."""
     import torch.distributed as dist
 
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
 
 
 def prepare_on_ranks(config: TrainConfig, resume: bool, ranks: Ranks | None, held: ExitStack) -> Prepared:
