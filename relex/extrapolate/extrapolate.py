@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import shutil
 import time
@@ -47,6 +48,7 @@ from relex.io.atomic import atomic_output, check_output, write_lock
 from relex.io.checkpoint import CheckpointReader, TensorInfo, read_config
 from relex.io.dtypes import dtype_name, parse_dtype
 from relex.io.hf_folder import HFFolderWriter, model_order, parse_size
+from relex.io.stream_writer import WriteBehind
 from relex.store import TrajectoryStore
 from relex.util import comma_list, module_type, most_common_float_dtype
 
@@ -315,7 +317,8 @@ def _write_targets(state: _Pass, out_dir: Path, max_shard: int) -> FitResult | N
             writer.write(name, values)
 
     try:
-        state.run(write)
+        with WriteBehind(write) as behind:  # a block is written while the pass computes the next one
+            state.run(lambda name, outputs: behind.put((name, outputs), sum(v.nbytes for v in outputs)))
         fit_used = fit or (fit_from_grams(state.fit_config, state.plan.steps.tolist(), state.grams, {n: state.infos[n].numel for n in state.grams}, str(store.path)) if state.grams else None)
         for writer, report in zip(writers, state.reports):
             report.delta_norm = report._pred_sq**0.5
@@ -329,8 +332,15 @@ def _write_targets(state: _Pass, out_dir: Path, max_shard: int) -> FitResult | N
 
 
 def check_finite(name: str, values: torch.Tensor, target: int) -> None:
-    """Refuse an output value the output dtype cannot hold (an overflow to Inf), naming the tensor and target."""
-    if values.is_floating_point() and not torch.isfinite(values).all():
+    """Refuse an output value the output dtype cannot hold (an overflow to Inf), naming the tensor and target.
+
+    A sum is the cheap test (one pass, nothing allocated): only when it is not finite are the values scanned, since
+    a sum of finite values can overflow too.
+    """
+    if not values.is_floating_point():
+        return
+    total = float(values.sum(dtype=torch.promote_types(values.dtype, torch.float32)))
+    if not math.isfinite(total) and not torch.isfinite(values).all():
         largest = torch.finfo(values.dtype).max
         raise RelexError(
             f"tensor {name} at step {target}: the extrapolated weights overflow {dtype_name(values.dtype)} "

@@ -22,6 +22,7 @@ block runs while the kernels of the one before do (`_Staging`). Either way it is
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -44,7 +45,7 @@ MIN_BUFFERS = 2  # one the caller computes on while a reader fills the other
 
 @dataclass(frozen=True)
 class PassBudget:
-    """How much a pass may hold: values per block, a trajectory held whole for a second use, read-ahead buffers."""
+    """How much a pass may hold: values per block, values held for a second use, read-ahead buffers."""
 
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
     hold_elements: int = DEFAULT_HOLD_ELEMENTS
@@ -53,21 +54,27 @@ class PassBudget:
 
 @dataclass(frozen=True)
 class TensorReads:
-    """The reads of one tensor: its row blocks, and whether they serve its Gram, its weighted sums, or both at once."""
+    """The reads of one tensor: its row blocks, whether they serve its Gram, its weighted sums or both, and how many
+    of them (the first `held_blocks`) the Gram's read keeps for the sums, which read only the others again."""
 
     name: str
     rows: tuple[tuple[int, int] | None, ...]
     gram: bool
     sums: bool
-    held: bool  # one whole read serves the Gram and the sums
+    held_blocks: int = 0
+
+    @property
+    def held(self) -> bool:
+        """One read serves both uses: the whole trajectory is kept (one block, whole: no copy)."""
+        return self.held_blocks == len(self.rows)
 
     def blocks(self, gram_in_reader: bool) -> list[Block]:
-        """The stream blocks: a read for the Gram, then (unless held) a second one for the sums."""
+        """The stream blocks: a read for the Gram, then a second one for the sums of the blocks not held."""
         reads = []
         if self.gram:
             reads += [Block(self.name, rows, gram=gram_in_reader) for rows in self.rows]
-        if self.sums and not (self.gram and self.held):
-            reads += [Block(self.name, rows) for rows in self.rows]
+        if self.sums:
+            reads += [Block(self.name, rows) for rows in self.rows[self.held_blocks:]]
         return reads
 
 
@@ -105,9 +112,12 @@ def plan_pass(
 ) -> PassPlan:
     """The reads of `names` (in this order) for the Gram of those in `grams` and weighted sums of those in `sums`.
 
-    Blocks are at most `chunk_elements` values, and a held trajectory at most `hold_elements`, both capped so that
-    MIN_BUFFERS buffers fit in `buffer_bytes`; as many buffers are made as fit (up to STREAM_BUFFERS). A block is
-    never less than one row at every step, so only a row larger than the budget itself can exceed it.
+    Blocks are at most `chunk_elements` values, and a trajectory read whole for both uses at most `hold_elements`,
+    both capped so that MIN_BUFFERS buffers fit in `buffer_bytes`; as many buffers are made as fit (up to
+    STREAM_BUFFERS). A larger trajectory wanted twice keeps its first blocks, up to `hold_elements` values, from
+    the Gram's read for the sums (a copy costs less than a second read, which for a referenced checkpoint also
+    re-reads θ₀ and subtracts it). A block is never less than one row at every step, so only a row larger than
+    the budget itself can exceed it.
     """
     steps = max(1, len(reader.steps))
     largest_block = budget.buffer_bytes // (4 * MIN_BUFFERS)
@@ -117,12 +127,25 @@ def plan_pass(
         gram, summed = name in grams, name in sums
         if not (gram or summed):
             continue
-        held = gram and summed and steps * reader.infos[name].numel <= hold
-        rows = (None,) if held else tuple(reader.row_blocks(name, chunk))
-        tensors.append(TensorReads(name, rows, gram, summed, held))
+        if gram and summed and steps * reader.infos[name].numel <= hold:
+            tensors.append(TensorReads(name, (None,), gram, summed, held_blocks=1))
+            continue
+        rows = tuple(reader.row_blocks(name, chunk))
+        tensors.append(TensorReads(name, rows, gram, summed, _leading_blocks(reader, name, rows, hold) if gram and summed else 0))
     largest = max((steps * reader.block_numel(t.name, r) for t in tensors for r in t.rows), default=0)
     count = max(MIN_BUFFERS, min(STREAM_BUFFERS, budget.buffer_bytes // max(1, 4 * largest)))
     return PassPlan(tuple(tensors), steps, device or torch.device("cpu"), largest, count)
+
+
+def _leading_blocks(reader: TrajectoryReader, name: str, rows, elements: int) -> int:
+    """How many of the first row blocks of `name` hold at most `elements` values at every step together."""
+    total, count = 0, 0
+    for block in rows:
+        total += len(reader.steps) * reader.block_numel(name, block)
+        if total > elements:
+            break
+        count += 1
+    return count
 
 
 class Consumer:
@@ -188,7 +211,7 @@ class TrajectoryPass:
 
     def tensor(self, reads: TensorReads, consumers: Sequence[Consumer]) -> None:
         """Take every planned read of one tensor, telling the consumers its Gram and sums."""
-        gram, held = None, ([] if reads.held else None)
+        gram, held = None, []
         if reads.gram:
             gram = self._gram(reads, held)
             for consumer in consumers:
@@ -198,36 +221,41 @@ class TrajectoryPass:
         for consumer in consumers:
             consumer.done(reads.name)
 
-    def _read(self, reads: TensorReads) -> Iterator[tuple[tuple[int, int] | None, torch.Tensor, object]]:
-        """The next planned blocks of the stream, one read of `reads.name`: (rows, host matrix, its Gram or None)."""
-        for rows in reads.rows:
+    def _read(self, reads: TensorReads, start: int = 0) -> Iterator[tuple[tuple[int, int] | None, torch.Tensor, object]]:
+        """The next planned blocks of the stream, a read of `reads.name` from its block `start` on: (rows, host
+        matrix, its Gram or None)."""
+        for rows in reads.rows[start:]:
             self._staging.release()  # the host buffer the last copy came from may be read into again
             block, matrix, part = next(self._blocks)
             if (block.name, block.rows) != (reads.name, rows):
                 raise AssertionError(f"read plan out of step: {block.name} {block.rows} read for {reads.name} {rows}")
             yield rows, matrix, part
 
-    def _gram(self, reads: TensorReads, held: list | None) -> np.ndarray:
-        """The Gram of `reads.name`, the sum of its blocks' parts (kept in `held` when they serve the sums too)."""
+    def _gram(self, reads: TensorReads, held: list) -> np.ndarray:
+        """The Gram of `reads.name`, the sum of its blocks' parts; the blocks planned to be held are kept in `held`
+        (copied out of the stream's buffers, unless the one block is the whole trajectory)."""
         steps = self.plan.steps
         total = torch.zeros(steps, steps, dtype=torch.float64, device=self.device)
-        for rows, matrix, part in self._read(reads):
+        for k, (rows, matrix, part) in enumerate(self._read(reads)):
             staged = None
             if part is None:  # on a GPU, or a block the stream left to this thread
                 staged = self._staging.put(matrix)
                 part = self.arithmetic.chunk_gram(staged, self.device)
             total += part
-            if held is not None:
+            if reads.held:
                 held.append((rows, matrix, staged))
+            elif k < reads.held_blocks:
+                held.append((rows, matrix.clone(), None))
         gram = total.cpu().numpy()
         self.arithmetic.check(reads.name, gram, self.reader.steps)
         return gram
 
-    def _sums(self, reads: TensorReads, consumers: Sequence[Consumer], gram: np.ndarray | None, held: list | None) -> None:
+    def _sums(self, reads: TensorReads, consumers: Sequence[Consumer], gram: np.ndarray | None, held: list) -> None:
         """W · M block by block for the weights the consumers ask for, all of them in one product per block."""
         wanted = [(consumer, consumer.weights(reads.name, gram)) for consumer in consumers]
         wanted = [(consumer, w) for consumer, w in wanted if w is not None]
-        blocks = held if held is not None else ((rows, matrix, None) for rows, matrix, _ in self._read(reads))
+        again = ((rows, matrix, None) for rows, matrix, _ in self._read(reads, reads.held_blocks))
+        blocks = itertools.chain(held, again)
         if not wanted:
             for _ in blocks:  # the planned reads are taken all the same
                 pass

@@ -7,9 +7,11 @@ value is computed, the header is written first and the bytes follow in header or
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -83,3 +85,73 @@ class StreamingSafetensorsWriter:
     def abort(self) -> None:
         self._file.close()
         self.path.unlink(missing_ok=True)
+
+
+class WriteBehind:
+    """Writes done in a thread of their own, so that the caller computes the next block meanwhile.
+
+    `put(args, nbytes)` hands `write(*args)` to the thread; at most `max_bytes` of handed-over values wait at once
+    (a larger item waits until the thread is idle, so memory holds one more block at most). An error in the thread
+    is raised in the caller at its next `put` or at `close`, which waits for every write. As a context manager it
+    closes at the end, and on the caller's error drops what waits and ends the thread.
+    """
+
+    def __init__(self, write, max_bytes: int = 64 * 2**20):
+        self.write, self.max_bytes = write, max_bytes
+        self.waiting = 0  # bytes handed over and not yet written
+        self.error: BaseException | None = None
+        self.idle = threading.Condition()
+        self.items: collections.deque = collections.deque()
+        self.closing = self.abandoned = False
+        self.thread = threading.Thread(target=self._run, name="relex-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self.idle:
+                self.idle.wait_for(lambda: self.items or self.closing)
+                if not self.items:
+                    return
+                args, nbytes = self.items[0]
+            try:
+                if self.error is None and not self.abandoned:
+                    self.write(*args)
+            except BaseException as error:  # raised in the caller
+                self.error = error
+            with self.idle:
+                self.items.popleft()
+                self.waiting -= nbytes
+                self.idle.notify_all()
+
+    def put(self, args: tuple, nbytes: int) -> None:
+        with self.idle:
+            self.idle.wait_for(lambda: not self.items or self.waiting + nbytes <= self.max_bytes)
+            self._raise()
+            self.items.append((args, nbytes))
+            self.waiting += nbytes
+            self.idle.notify_all()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        """Wait for every write handed over; raise the first one's error."""
+        with self.idle:
+            self.closing = True
+            self.idle.notify_all()
+        self.thread.join()
+        self._raise()
+
+    def __enter__(self) -> "WriteBehind":
+        return self
+
+    def __exit__(self, kind, *exc) -> None:
+        if kind is None:
+            self.close()
+            return
+        self.abandoned = True  # the caller failed: what waits is not written, and its error is the one raised
+        with self.idle:
+            self.closing = True
+            self.idle.notify_all()
+        self.thread.join()
