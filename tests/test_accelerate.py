@@ -241,7 +241,8 @@ def test_optimizer_policies_against_closed_forms():
         (["--optimizer", "sgd"], "unknown policy 'sgd'"),
         (["--validation-size", "0"], "the validation split is empty"),
         (["--validation-size", "10", "--margin", "0.05"], "cannot resolve margin 0.05"),
-        (["--keep", ","], "--keep ',': give at least one value"),
+        (["--keep", ","], "argument --keep: expected comma-separated str values, e.g. 1,2; got ','"),
+        (["--confirm-size", "10"], "confirm_size 10 cannot resolve margin 0.05"),
         (["--methods", "observed"], "does not extrapolate"),
     ],
 )

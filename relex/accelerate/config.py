@@ -89,7 +89,7 @@ class AccelerateConfig:
     warning: WarningConfig = setting(
         help="the early warning that linearity is breaking", factory=WarningConfig, parse=warning_shorthand
     )
-    jump: bool = setting(True, "false: the same loop and validation, never jumping (the plain control run)")
+    jump: bool = setting(True, "jump where the guard allows; false (--no-jump): the same loop and validation, never jumping (the plain control)")
     keep_candidates: bool = setting(False, "keep every candidate folder (default: only their scores)")
     batch_size: int = setting(64, "validation generation batch")
     max_new_tokens: int | None = setting(None, "validation completion length (default: grpo.max_completion_length)")

@@ -43,8 +43,15 @@ def add_verbose(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log debug messages")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad option ends in relex's one error line (naming --help) instead of the usage block."""
+
+    def error(self, message: str):
+        raise RelexError(f"{message} (`{self.prog} --help` lists the options)")
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="relex", description="Record, fit and extrapolate RLVR weight trajectories.")
+    parser = Parser(prog="relex", description="Record, fit and extrapolate RLVR weight trajectories.")
     parser.add_argument("--version", action="version", version=f"relex {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
