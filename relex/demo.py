@@ -14,9 +14,9 @@ Stages, each a library call, all written into one run folder (the layout `relex 
     4. report       the jumps figure, the decisions and the evaluation                    -> RUN/figures/, RUN/report.md
 
 `RUN/demo.json` records the plan and the seconds each stage took. Aimed budgets on 2 otherwise idle CPU cores:
-the default plan (16 GRPO steps per run of 4 prompts × 8 rollouts, a decision every 4; 64 validation and 100 test
-problems) about 25 minutes; `--quick` (4 steps per run of 3 prompts × 4 rollouts at lr 1e-5, a decision every 2; 20 validation
-and 16 test problems, 24-token completions) about 5. One-shot extrapolation far past the observed steps (5× and
+the default plan (16 GRPO steps per run of 4 prompts × 8 rollouts, a decision every 4; 64 validation, 64 confirmation
+and 100 test problems) about 25 minutes; `--quick` (4 steps per run of 3 prompts × 4 rollouts at lr 1e-5, a decision
+every 2; 20 validation, 20 confirmation and 16 test problems, 24-token completions) about 5. One-shot extrapolation far past the observed steps (5× and
 10× the run) is not shown here: at this scale it fails (analysis/README.md), which is why the loop jumps in short,
 checked steps.
 """
@@ -58,13 +58,15 @@ class DemoPlan:
     eval_n: int  # held-out problems per checkpoint
     max_new_tokens: int  # evaluation completions
     margin: float = 0.05
+    confirm_size: int = 64  # fresh problems that confirm a picked candidate
     batch_size: int = 32
     grpo: dict = field(default_factory=dict)  # on top of the config file's `grpo`
 
 
-DEFAULT = DemoPlan(max_steps=16, segment_steps=4, validation_size=64, eval_n=100, max_new_tokens=32, batch_size=64)
+DEFAULT = DemoPlan(max_steps=16, segment_steps=4, validation_size=64, confirm_size=64, eval_n=100, max_new_tokens=32,
+                   batch_size=64)
 QUICK = DemoPlan(
-    max_steps=4, segment_steps=2, validation_size=20, eval_n=16, max_new_tokens=24, batch_size=20,
+    max_steps=4, segment_steps=2, validation_size=20, confirm_size=20, eval_n=16, max_new_tokens=24, batch_size=20,
     grpo={"num_generations": 4, "per_device_train_batch_size": 12, "gradient_accumulation_steps": 1, "max_completion_length": 24,
           "learning_rate": 1.0e-5},  # 3 prompts x 4 rollouts; at 2e-5 and 2 prompts, 4 steps took 0.31 down to 0.06
 )
@@ -91,7 +93,7 @@ def run_config(plan: DemoPlan, config_file: Path, out: Path, *, jump: bool):
     data["grpo"] = {**(data.get("grpo") or {}), **plan.grpo}
     config = load_config(base=data, out=out, max_steps=plan.max_steps)
     loop = accelerate_config(config, segment_steps=plan.segment_steps, validation_size=plan.validation_size,
-                             margin=plan.margin, jump=jump, batch_size=plan.batch_size)
+                             confirm_size=plan.confirm_size, margin=plan.margin, jump=jump, batch_size=plan.batch_size)
     return config, loop
 
 

@@ -328,3 +328,12 @@ def test_bad_confirmation_sizes_fail_in_one_line(settings, message):
     with pytest.raises(RelexError, match=message):
         AccelerateConfig.from_dict(settings)
     assert AccelerateConfig.from_dict({"confirm_size": 0}).confirm_size == 0  # 0: no confirmation
+
+
+def test_several_processes_are_refused_in_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    run = tmp_path / "run"
+    assert cli("accelerate", "--config", TINY, "--out", run) == 2
+    err = capsys.readouterr().err.strip()
+    assert "relex accelerate runs in one process, not 2" in err and len(err.splitlines()) == 1
+    assert not run.exists()

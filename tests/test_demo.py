@@ -37,7 +37,7 @@ def test_an_interrupted_overwrite_leaves_the_old_run_intact(tmp_path, monkeypatc
         raise KeyboardInterrupt
 
     monkeypatch.setattr(demo, "train", interrupted)
-    plan = demo.DemoPlan(max_steps=4, segment_steps=2, validation_size=20, eval_n=4, max_new_tokens=8, batch_size=8)
+    plan = demo.DemoPlan(max_steps=4, segment_steps=2, validation_size=20, confirm_size=20, eval_n=4, max_new_tokens=8, batch_size=8)
     with pytest.raises(KeyboardInterrupt):
         demo.run_demo(plan, old, config_file=ROOT / "configs" / "tiny.yaml", overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]  # no temporary run, no lock
@@ -63,7 +63,7 @@ def test_demo_end_to_end_on_the_tiny_config(tmp_path):
     """Every stage on the random tiny Llama of configs/tiny.yaml (seconds per step)."""
     from relex.demo import DemoPlan, run_demo
 
-    plan = DemoPlan(max_steps=4, segment_steps=2, validation_size=20, eval_n=4, max_new_tokens=8, batch_size=8)
+    plan = DemoPlan(max_steps=4, segment_steps=2, validation_size=20, confirm_size=20, eval_n=4, max_new_tokens=8, batch_size=8)
     (tmp_path / "demo").mkdir()
     (tmp_path / "demo" / "config.yaml").write_text("an earlier run\n")  # replaced whole with --overwrite
     result = run_demo(plan, tmp_path / "demo", config_file=ROOT / "configs" / "tiny.yaml", overwrite=True)

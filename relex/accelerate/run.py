@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -48,6 +49,12 @@ def run_accelerate(config: TrainConfig, accelerate: AccelerateConfig | None = No
         >>> (run / "jumps.jsonl").is_file()  # doctest: +SKIP
         True
     """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # a jump loads weights into one live model and its optimizer; ranks would each jump on their own
+        raise RelexError(
+            f"relex accelerate runs in one process, not {world} (started by accelerate launch or torchrun); run it "
+            "directly, or train with several processes through relex train"
+        )
     accelerate = accelerate or accelerate_config(config)
     config.accelerate = accelerate.to_dict()  # the run's config.yaml states what the loop used
     run_dir = Path(config.out) if config.out else Path("runs") / f"accelerate-{time.strftime('%Y%m%d-%H%M%S')}"
