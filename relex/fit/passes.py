@@ -190,15 +190,21 @@ class TrajectoryPass:
     """A planned pass in progress: the reader's stream of blocks, and the tensor each of them belongs to."""
 
     def __init__(self, reader: TrajectoryReader, plan: PassPlan, gram=None):
-        if gram is None and any(t.gram for t in plan.tensors):
+        grams = any(t.gram for t in plan.tensors)
+        if gram is None and grams:
             raise ValueError("plan_pass planned Gram matrices; run_pass needs the Gram arithmetic (relex.fit.gram.GRAM)")
         self.reader, self.plan, self.arithmetic, self.device = reader, plan, gram, plan.device
-        if gram is not None:  # load the Gram kernel while the first reads run
+        work = None
+        if grams:  # load the Gram kernel while the first reads run
             threading.Thread(target=gram.prepare, args=(self.device,), name="relex-prepare", daemon=True).start()
-        work = (lambda block, matrix: gram.chunk_gram(matrix, self.device)) if gram is not None else None
+            work = self._block_gram
         self.buffers = plan.allocate()
         self._blocks = reader.stream(plan.blocks(), work=work, buffers=self.buffers)
         self._staging = _Staging(self.device, plan.buffer_elements)
+
+    def _block_gram(self, block: Block, matrix: torch.Tensor) -> torch.Tensor:
+        """A block's Gram, formed by whichever of the stream's threads would otherwise wait (on the CPU)."""
+        return self.arithmetic.chunk_gram(matrix, self.device)
 
     def __enter__(self) -> "TrajectoryPass":
         return self

@@ -15,18 +15,22 @@ config saved on its own (not by the model's `save_pretrained`) lacks `architectu
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.metadata
 import json
 import logging
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from relex.errors import RelexError
-from relex.io.checkpoint import INDEX_NAME, SINGLE_NAME, TensorInfo
+from relex.io.checkpoint import INDEX_NAME, SINGLE_NAME, TensorInfo, read_config
 from relex.io.dtypes import dtype_name
 from relex.io.stream_writer import StreamingSafetensorsWriter, tensor_bytes
 
@@ -85,15 +89,36 @@ def model_order(names: Sequence[str], config_dir: str | Path | None) -> list[str
     """`names` in the order `save_pretrained` writes a loaded model's tensors, so shards split where transformers'.
 
     transformers 5 sorts the state dict by `core_model_loading.dot_natural_key` before saving (dotted parts, numbers
-    as numbers: layers.2 before layers.10); transformers 4 keeps the order of the model's `state_dict()`, taken here
-    from the model built on the meta device from `config_dir`'s config.json. Names that model lacks come last.
+    as numbers: layers.2 before layers.10; `dot_natural_key` here is that key, since importing transformers takes
+    seconds); transformers 4 keeps the order of the model's `state_dict()`, taken here from the model built on the
+    meta device from `config_dir`'s config.json. Names that model lacks come last.
     """
+    if (transformers_major() or 0) >= 5:
+        return sorted(names, key=dot_natural_key)
+    known = {name: i for i, name in enumerate(state_dict_order(config_dir))} if config_dir is not None else {}
+    return sorted(names, key=lambda name: (name not in known, known.get(name, 0), natural_key(name)))
+
+
+def transformers_major() -> int | None:
+    """The installed transformers' major version (from its metadata: nothing is imported), None without it."""
     try:
-        from transformers.core_model_loading import dot_natural_key
-    except ImportError:  # transformers 4
-        known = {name: i for i, name in enumerate(state_dict_order(config_dir))} if config_dir is not None else {}
-        return sorted(names, key=lambda name: (name not in known, known.get(name, 0), natural_key(name)))
-    return sorted(names, key=dot_natural_key)
+        return int(importlib.metadata.version("transformers").split(".")[0])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return None
+
+
+def dot_natural_key(name: str) -> list[tuple]:
+    """transformers 5's sort key of state-dict names (`core_model_loading.dot_natural_key`): dotted parts, a number
+    before a word, numbers (and a word's trailing digits, `shard_2` before `shard_11`) compared as numbers."""
+    parts: list[tuple] = []
+    for part in name.split("."):
+        if part.isdigit():
+            parts.append((0, int(part)))
+            continue
+        text = part.rstrip("0123456789")
+        digits = part[len(text):]
+        parts.append((1, text, int(digits)) if digits else (1, text))
+    return parts
 
 
 def natural_key(name: str) -> tuple:
@@ -163,6 +188,13 @@ def make_inference_ready(folder: Path, dtype: torch.dtype | None = None, archite
             generation_path.write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
 
 
+@functools.cache
+def _import_in_background(module: str) -> None:
+    """Start importing `module` in a thread (once), so that its import (seconds, for transformers) runs while the
+    caller computes instead of when it is first needed."""
+    threading.Thread(target=importlib.import_module, args=(module,), name="relex-import", daemon=True).start()
+
+
 def causal_lm_class(config: dict, where: Path) -> str | None:
     """The causal-LM class transformers builds for `config`'s `model_type` (what `AutoModelForCausalLM` picks)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -199,6 +231,8 @@ class HFFolderWriter:
         self._shard_of = {name: i for i, shard in enumerate(self.shards) for name, _ in shard}
         self._open: dict[int, StreamingSafetensorsWriter] = {}  # the shard being filled, and an oversized tensor's
         self._closed: set[int] = set()
+        if self.base_dir is not None and not (read_config(self.base_dir) or {"architectures": ["-"]}).get("architectures"):
+            _import_in_background("transformers.models.auto.modeling_auto")  # `finish` names the architecture from it
 
     def write(self, name: str, values: torch.Tensor) -> None:
         """The whole tensor or its next rows; tensors come in layout order.
