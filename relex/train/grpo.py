@@ -1,6 +1,5 @@
 """`run_training`: a GRPO run with TRL's `GRPOTrainer`, recording θ_step − θ₀ as it goes.
 
-    from relex.train import load_config, run_training
     run = run_training(load_config("configs/tiny.yaml", out="runs/tiny"))
 
 Everything is validated before the model trains: config keys, the model path, the task, the verifier and TRL's
@@ -54,12 +53,19 @@ import yaml
 
 from relex import __version__
 from relex.errors import RelexError
+from relex.ingest import resolve_base
 from relex.io.atomic import write_lock, write_text_atomic
+from relex.io.checkpoint import CheckpointReader
+from relex.models import make_tiny_llama, resolve_model
 from relex.ranks import RankFailed, Ranks, launched, process_group, together
-from relex.record import refuse_deepspeed
-from relex.store import is_store
+from relex.record import DeltaRecorder, refuse_deepspeed
+from relex.settings import read_yaml_mapping
+from relex.store import TrajectoryStore, is_store
+from relex.tasks import load_task
 from relex.train.config import TrainConfig
+from relex.train.progress import StepLogger, peak_rss_mb
 from relex.util import read_log
+from relex.verifiers import format_reward, get_verifier
 
 LOG = logging.getLogger(__name__)
 
@@ -169,8 +175,6 @@ def run_folder(config: TrainConfig) -> Path:
 def prepare_replica(config: TrainConfig, model_path: str, resume_from: str | None) -> Prepared:
     """What a rank other than 0 needs to train: the task, rewards and GRPOConfig, with the model and checkpoint
     that rank 0 prepared."""
-    from relex.tasks import load_task
-
     task = load_task(config.task)
     args = grpo_args(config, Path(config.out))
     return Prepared(config, Path(config.out), model_path, task, reward_functions(config, task.verifier), args, resume_from)
@@ -211,8 +215,6 @@ def prepare(config: TrainConfig, *, resume: bool = False) -> Prepared:
     run_dir = run_folder(config)
     check_run_folder(run_dir, config, resume)
     model_path = resolve_model_path(config, run_dir, create=False)
-    from relex.tasks import load_task
-
     task = load_task(config.task)
     task.rows("train")  # a task without a train split fails here, naming its splits
     reward_funcs = reward_functions(config, task.verifier)
@@ -244,8 +246,6 @@ def check_run_folder(run_dir: Path, config: TrainConfig, resume: bool) -> None:
 
 
 def load_saved_config(path: Path) -> TrainConfig:
-    from relex.evaluate.config import read_yaml_mapping
-
     return TrainConfig.from_dict(read_yaml_mapping(path))
 
 
@@ -267,13 +267,9 @@ def config_differences(saved: TrainConfig, given: TrainConfig) -> list[str]:
 
 def resolve_model_path(config: TrainConfig, run_dir: Path, *, create: bool) -> str | None:
     """The folder or hub id to train; a tiny model is written into RUN/model (None until `create`)."""
-    from relex.models import make_tiny_llama, resolve_model
-
     if config.model.tiny is None:
         path = resolve_model(config.model.name)
         if not Path(path).is_dir():  # a hub id: train from (and record against) the local snapshot
-            from relex.ingest import resolve_base
-
             path = str(resolve_base(path))
         return path
     tiny = dict(config.model.tiny)
@@ -288,8 +284,6 @@ def resolve_model_path(config: TrainConfig, run_dir: Path, *, create: bool) -> s
 
 
 def reward_functions(config: TrainConfig, task_verifier: str) -> list:
-    from relex.verifiers import format_reward, get_verifier
-
     verifier = get_verifier(config.verifier_name(task_verifier))
     weight = config.reward.format_weight
     if not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight < 0:
@@ -379,8 +373,6 @@ def last_complete_checkpoint(folder: Path) -> Path | None:
 
 def checkpoint_problem(checkpoint: Path, step: int) -> str | None:
     """Why a checkpoint folder is not a complete save of step `step` (None when it is)."""
-    from relex.io.checkpoint import CheckpointReader
-
     try:
         state = json.loads((checkpoint / TRAINER_STATE).read_text())
     except (OSError, ValueError):
@@ -405,8 +397,6 @@ def finished_step(prepared: Prepared) -> int | None:
 def forget_after(run_dir: Path, step: int) -> None:
     """Drop what the run recorded and logged after `step`, the checkpoint it resumes from: the resumed run
     trains those steps again, so they would otherwise be recorded twice, from weights that may differ."""
-    from relex.store import TrajectoryStore
-
     store = run_dir / STORE_NAME
     if is_store(store):
         dropped = TrajectoryStore.open(store).truncate(step)
@@ -435,9 +425,6 @@ def build_trainer(prepared: Prepared, *, show_progress: bool = True, recorder=No
     from transformers import PrinterCallback
     from trl import GRPOTrainer
 
-    from relex.record import DeltaRecorder
-    from relex.train.progress import StepLogger
-
     config, run_dir = prepared.config, prepared.run_dir
     if is_main_process():
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -461,8 +448,6 @@ def build_trainer(prepared: Prepared, *, show_progress: bool = True, recorder=No
 @contextmanager
 def closing_progress(trainer):
     """Close the step logger's progress bar however training ends (an error mid-run included)."""
-    from relex.train.progress import StepLogger
-
     try:
         yield
     finally:
@@ -478,8 +463,6 @@ def write_config(path: Path, config: TrainConfig, model_path: str) -> None:
 
 def write_summary(run_dir: Path, recorder, seconds: float) -> dict:
     """Seconds per step, peak memory, recording overhead and store size of the run, in RUN/summary.json."""
-    from relex.store import TrajectoryStore
-    from relex.train.progress import peak_rss_mb
 
     lines = read_log(run_dir / LOG_NAME)
     store = TrajectoryStore.open(run_dir / STORE_NAME)
