@@ -192,15 +192,23 @@ def main() -> None:
     parser.add_argument("--phase", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.phase:
-        kind, *rest = args.phase
-        result = PHASES[kind](*rest)
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        result.update(peak_rss_gib=peak_rss_gib(), user_s=usage.ru_utime, sys_s=usage.ru_stime)
-        print(json.dumps(result))
-        return
-    if args.layout == "verl":
+        print_phase(*args.phase)
+    elif args.layout == "verl":
         bench_verl(args)
-        return
+    else:
+        bench_store(args)
+
+
+def print_phase(kind: str, *rest: str) -> None:
+    """One phase in this process (a child of the benchmark), its result as one JSON line."""
+    result = PHASES[kind](*rest)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    result.update(peak_rss_gib=peak_rss_gib(), user_s=usage.ru_utime, sys_s=usage.ru_stime)
+    print(json.dumps(result))
+
+
+def bench_store(args) -> None:
+    """Read against fit + extrapolate on a store of copied deltas, three ways of reading (see the docstring)."""
     workdir = Path(args.workdir)
     store_dir = build(workdir, args.shape, args.steps)
     base_dir, out_dir = workdir / "base", workdir / "out"
@@ -230,22 +238,26 @@ def main() -> None:
     print(f"trajectory: {args.shape} shapes, T={args.steps} steps, {first['values'] / 1e9:.2f} G values, "
           f"{size / 1e9:.2f} GB on disk; device {args.device}; median of {args.repeats} runs each")
     for label in modes:
-        read, fit = (sorted(r["seconds"] for r in runs[label, k]) for k in ("read", "extrapolate"))
-        read_median, fit_median = median(read), median(fit)
-        rss = {k: max(r["peak_rss_gib"] for r in runs[label, k]) for k in ("read", "extrapolate")}
-        cpu = {k: "user {:.1f} + sys {:.1f} s".format(*(median(r[c] for r in runs[label, k]) for c in ("user_s", "sys_s")))
-               for k in ("read", "extrapolate")}
-        ratio = fit_median / read_median
-        met = ratio <= GOAL_RATIO and max(rss.values()) < GOAL_RSS_GIB
-        print(f"\nreads {label}")
-        print(f"  read every stored value once:      {read_median:7.2f} s   peak RSS {rss['read']:.2f} GiB  "
-              f"CPU {cpu['read']}  (runs: {_runs(read)})")
-        print(f"  fit + extrapolate to two targets:  {fit_median:7.2f} s   peak RSS {rss['extrapolate']:.2f} GiB  "
-              f"CPU {cpu['extrapolate']}  (runs: {_runs(fit)})")
-        print(f"  ratio (fit + extrapolate) / read:  {ratio:7.2f}   goal (ratio <= {GOAL_RATIO}, "
-              f"peak RSS < {GOAL_RSS_GIB} GiB): {'met' if met else 'not met'}")
+        print_mode(label, {k: runs[label, k] for k in ("read", "extrapolate")})
     if not hasattr(os, "posix_fadvise"):
         print("\nthis OS has no posix_fadvise: the page cache could not be dropped, so only warm reads were measured")
+
+
+def print_mode(label: str, runs: dict[str, list[dict]]) -> None:
+    """The medians, CPU times and peak RSS of one way of reading, and their ratio against the goal."""
+    read, fit = (sorted(r["seconds"] for r in runs[k]) for k in ("read", "extrapolate"))
+    read_median, fit_median = median(read), median(fit)
+    rss = {k: max(r["peak_rss_gib"] for r in runs[k]) for k in runs}
+    cpu = {k: "user {:.1f} + sys {:.1f} s".format(*(median(r[c] for r in runs[k]) for c in ("user_s", "sys_s"))) for k in runs}
+    ratio = fit_median / read_median
+    met = ratio <= GOAL_RATIO and max(rss.values()) < GOAL_RSS_GIB
+    print(f"\nreads {label}")
+    print(f"  read every stored value once:      {read_median:7.2f} s   peak RSS {rss['read']:.2f} GiB  "
+          f"CPU {cpu['read']}  (runs: {_runs(read)})")
+    print(f"  fit + extrapolate to two targets:  {fit_median:7.2f} s   peak RSS {rss['extrapolate']:.2f} GiB  "
+          f"CPU {cpu['extrapolate']}  (runs: {_runs(fit)})")
+    print(f"  ratio (fit + extrapolate) / read:  {ratio:7.2f}   goal (ratio <= {GOAL_RATIO}, "
+          f"peak RSS < {GOAL_RSS_GIB} GiB): {'met' if met else 'not met'}")
 
 
 def bench_verl(args) -> None:
