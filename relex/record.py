@@ -38,7 +38,6 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,6 +50,7 @@ from relex.io.dtypes import dtype_name, parse_dtype
 from relex.io.hf_folder import HFFolderWriter, make_inference_ready
 from relex.ranks import Ranks, together
 from relex.record_sharded import ShardedRecording, is_sharded
+from relex.recording import RecordTiming, local_model_folder, reference, storage_key, ties_within
 from relex.store import TrajectoryStore, is_store
 from relex.util import is_positive_int, most_common_float_dtype
 
@@ -58,13 +58,6 @@ LOG = logging.getLogger(__name__)
 
 BASE_NAME = "base"  # θ₀ saved inside the store, referenced relatively
 RESUME_TOLERANCE = 1e-3  # ‖θ_ckpt − (θ₀ + Δ)‖ / ‖Δ‖ allowed when checking a resumed checkpoint against the store
-
-
-@dataclass(frozen=True)
-class RecordTiming:
-    step: int
-    seconds: float  # wall time of computing and writing the step's deltas
-    nbytes: int  # size of the step's delta file
 
 
 class DeltaRecorder(TrainerCallback):
@@ -387,25 +380,6 @@ def float_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return live
 
 
-def storage_key(tensor: torch.Tensor) -> tuple:
-    return (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
-
-
-def ties_within(live: dict[str, torch.Tensor], infos: dict[str, TensorInfo]) -> dict[str, str]:
-    """alias -> canonical among the base's tensors that share storage in the model (the first name is canonical)."""
-    first: dict[tuple, str] = {}
-    tied = {}
-    for name, tensor in live.items():
-        if name not in infos or tensor.numel() == 0:
-            continue
-        key = storage_key(tensor)
-        if key in first:
-            tied[name] = first[key]
-        else:
-            first[key] = name
-    return tied
-
-
 def capture(live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A float32 CPU copy of each tensor; names that share storage share one copy."""
     copies: dict[tuple, torch.Tensor] = {}
@@ -416,25 +390,6 @@ def capture(live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             copies[key] = tensor.detach().to("cpu", torch.float32, copy=True)
         out[name] = copies[key]
     return out
-
-
-def local_model_folder(model) -> Path | None:
-    """The model's `name_or_path` when it is a local folder holding safetensors weights."""
-    name = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
-    if not name:
-        return None
-    folder = Path(name).expanduser()
-    if folder.is_dir() and any(folder.glob("*.safetensors")):
-        return folder.resolve()
-    return None
-
-
-def reference(folder: Path, store_dir: Path) -> str:
-    """How the manifest names a base folder: relative when it sits in the run beside the store, else absolute."""
-    folder, run = Path(folder).resolve(), store_dir.resolve().parent
-    if folder.is_relative_to(run):
-        return os.path.relpath(folder, store_dir.resolve())
-    return str(folder)
 
 
 # ---- checks against a base -------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import torch
 from relex.errors import RelexError
 from relex.io.checkpoint import CheckpointReader
 from relex.ranks import Ranks, together
+from relex.recording import RecordTiming, local_model_folder, reference, storage_key, ties_within
 from relex.store import TrajectoryStore, is_store
 from relex.util import most_common_float_dtype
 
@@ -60,8 +61,6 @@ class ShardedRecording:
     def __init__(self, recorder, model: torch.nn.Module, global_step: int):
         import torch.distributed as dist
 
-        from relex.record import local_model_folder
-
         self.recorder, self.ranks = recorder, Ranks(dist.get_rank(), dist.get_world_size())
         self.live = {n: t for n, t in model.state_dict(keep_vars=True).items() if t.is_floating_point()}
         self.steps: list[int] = []
@@ -84,8 +83,6 @@ class ShardedRecording:
 
     def _capture(self) -> dict[str, torch.Tensor]:
         """θ₀ of this rank's parts (float32, CPU); names that share a parameter share one copy."""
-        from relex.record import storage_key
-
         copies, theta0 = {}, {}
         for name, tensor in self.live.items():
             local = local_part(tensor)
@@ -97,8 +94,6 @@ class ShardedRecording:
 
     def _check_base(self, model) -> None:
         """The base folder holds θ₀ (checked tensor by tensor, gathered); then rank 0 creates the store."""
-        from relex.record import reference, ties_within
-
         infos = None
         with together(self.ranks, f"checking the base {self.base}"):
             if self.ranks.is_first:
@@ -158,8 +153,6 @@ class ShardedRecording:
                 raise failure
         self.steps.append(step)
         if self.ranks.is_first:
-            from relex.record import RecordTiming
-
             nbytes = (self.recorder.store.path / entry.path).stat().st_size
             self.recorder.timings.append(RecordTiming(step, time.perf_counter() - started, nbytes))
 

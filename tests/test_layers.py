@@ -7,7 +7,7 @@ layer or lower ones, so the store never reaches up into the fit, nor the fit int
     sweep, train, backtest, plot, distributed     pipeline commands
     evaluate                     generation and scoring of checkpoints
     present                      tables of results, rendered to the terminal, Markdown and plain text
-    ingest, record, record_sharded, extrapolate  what writes stores and checkpoints
+    ingest, record, record_sharded, recording, extrapolate   what writes stores and checkpoints
     fit                          Gram matrices and the rank-r fit
     store, verifiers, tasks      the trajectory store; rewards and problems
     io, models, synthetic        files, the embedded model, planted runs
@@ -27,7 +27,7 @@ LAYERS = [
     {"sweep", "train", "backtest", "plot", "distributed"},
     {"evaluate"},
     {"present"},
-    {"ingest", "record", "record_sharded", "extrapolate"},
+    {"ingest", "record", "record_sharded", "recording", "extrapolate"},
     {"fit"},
     {"store", "verifiers", "tasks"},
     {"io", "models", "synthetic"},
