@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from relex.errors import RelexError
+from relex.fit.gram import GRAM, resolve_device
+from relex.fit.passes import GramCollector, PassBudget, plan_pass, run_pass
 from relex.util import LOG_NAME, grouped, module_type, read_log
 
 LOG = logging.getLogger(__name__)
@@ -167,9 +169,6 @@ def fit_step_indices(store_steps: list[int], fit_steps: np.ndarray) -> np.ndarra
 
 def coefficient_series(store, fit, names: list[str]) -> list[CoefficientSeries]:
     """c₁ at every recorded step: G[all, fit] u₁ / σ₁, from one Gram pass over all steps for the plotted tensors."""
-    from relex.fit.gram import GRAM, resolve_device
-    from relex.fit.passes import GramCollector, PassBudget, plan_pass, run_pass
-
     steps = store.steps
     fit_index = fit_step_indices(steps, fit.steps)
     live = []

@@ -78,3 +78,29 @@ def test_every_part_of_relex_has_a_layer():
     parts = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir() if not p.name.startswith("_") or p.name == "__main__.py"}
     for name in parts - {"py", "__pycache__"}:
         rank(name)
+
+
+# relex modules imported inside a function, each for a reason; every other relex import sits at the top of its module,
+# so a module's first lines show what it depends on
+LAZY = {
+    ("relex/fit/gram.py", "relex.fit"): "relex.fit.gram_kernel: numba compiles the kernel (or loads its cache) "
+                                        "when it is imported; only the CPU Gram path needs it",
+}
+
+
+def test_relex_modules_are_imported_at_the_top():
+    inside = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "__init__.py":  # the package's public face: lazy re-exports
+            continue
+        where = str(path.relative_to(PACKAGE.parent))
+        for function in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                names = [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+                names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+                inside += [(where, n) for n in names if (n == "relex" or n.startswith("relex.")) and (where, n) not in LAZY]
+    assert not inside, "relex imports inside functions (move them to the top, or add to LAZY with a reason):\n" + "\n".join(
+        f"{where}: {name}" for where, name in inside
+    )

@@ -59,8 +59,6 @@ def validation_split(spec, n: int, train_rows: list[dict]):
     A task whose held-out split can be drawn again with another seed (reasoning-gym, unlabelled files) gets a
     fresh draw minus the test questions (relex.sweep.validation_task); one with fixed split labels (a hub
     dataset's train/test) gets its last `n` train problems, which `carve_from_train` then keeps out of training."""
-    from relex.tasks import Task
-
     if n < 1:
         raise RelexError("accelerate.validation_size: the validation split is empty; give at least one problem")
     try:

@@ -17,6 +17,7 @@ import sys
 
 from relex import __version__
 from relex.errors import RelexError
+from relex.models import hub_failure
 
 # subcommand (= module in relex.cli) -> one-line help
 COMMANDS = {
@@ -121,8 +122,6 @@ def main(argv: list[str] | None = None) -> int:
         error_line(f"relex {command or ''}: error: {error}")
         return 2
     except Exception as error:
-        from relex.models import hub_failure
-
         message = hub_failure(error)  # the hub unreachable or a repository missing: one line, not 40 of traceback
         if message is None:
             raise
