@@ -231,6 +231,21 @@ def drop_broken_ties(reader: CheckpointReader, checkpoint: Checkpoint, tied: dic
             del tied[alias]
 
 
+def checked_readers(checkpoints: list, base_dir: Path, base_infos: dict, verify: bool) -> tuple[list, dict[str, str]]:
+    """Each checkpoint opened and checked against the base (names, shapes, dtypes, headers; with `verify` every
+    value scanned for NaN/Inf), and the ties the model's config declares that every checkpoint keeps."""
+    readers = []
+    for checkpoint in checkpoints:
+        reader = open_checkpoint(checkpoint.folder)
+        readers.append((checkpoint, reader, validate_checkpoint(base_infos, checkpoint, reader)))
+    tied = declared_ties(base_dir, base_infos)
+    for checkpoint, reader, _ in tqdm(readers, desc="ingest: checking values", unit="step", leave=False, disable=None if verify else True):
+        if verify:
+            scan_values(reader, checkpoint, sorted(base_infos))
+        drop_broken_ties(reader, checkpoint, tied)
+    return readers, tied
+
+
 def ingest(
     paths: list[str | Path],
     base: str,
@@ -264,15 +279,7 @@ def ingest(
     with write_lock(out), _store_lock_if_store(out):
         base_reader = CheckpointReader(base_dir)
         base_infos = base_reader.infos()
-        readers = []
-        for checkpoint in checkpoints:
-            reader = open_checkpoint(checkpoint.folder)
-            readers.append((checkpoint, reader, validate_checkpoint(base_infos, checkpoint, reader)))
-        tied = declared_ties(base_dir, base_infos)
-        for checkpoint, reader, _ in tqdm(readers, desc="ingest: checking values", unit="step", leave=False, disable=None if verify else True):
-            if verify:
-                scan_values(reader, checkpoint, sorted(base_infos))
-            drop_broken_ties(reader, checkpoint, tied)
+        readers, tied = checked_readers(checkpoints, base_dir, base_infos, verify)
         created_by = {
             "command": "relex ingest",
             "layout": sorted({c.layout for c in checkpoints}),
