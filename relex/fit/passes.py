@@ -115,8 +115,8 @@ def plan_pass(
     Blocks are at most `chunk_elements` values, and a trajectory read whole for both uses at most `hold_elements`,
     both capped so that MIN_BUFFERS buffers fit in `buffer_bytes`; as many buffers are made as fit (up to
     STREAM_BUFFERS). A larger trajectory wanted twice keeps its first blocks, up to `hold_elements` values, from
-    the Gram's read for the sums (a copy costs less than a second read, which for a referenced checkpoint also
-    re-reads θ₀ and subtracts it). A block is never less than one row at every step, so only a row larger than
+    the Gram's read for the sums (a copy in memory instead of a second read, which for a referenced checkpoint
+    also re-reads θ₀ and subtracts it; measured here on SmolLM2 shapes, T = 6, the two cost about the same). A block is never less than one row at every step, so only a row larger than
     the budget itself can exceed it.
     """
     steps = max(1, len(reader.steps))
