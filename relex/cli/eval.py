@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from relex.evaluate import evaluate
+from relex import settings
+from relex.evaluate import EvalSettings, evaluate
 from relex.evaluate.config import load_eval_config
-from relex.evaluate.generate import BACKENDS
 from relex.evaluate.report import eval_table
 from relex.present import show
 
@@ -24,16 +24,10 @@ def add_arguments(parser) -> None:
         "--task-config", metavar="JSON|FILE",
         help='the task\'s config, inline JSON (e.g. \'{"min_terms": 2, "max_terms": 2}\') or a JSON/YAML file',
     )
-    parser.add_argument("--n", type=int, help="held-out problems to evaluate (default: the whole eval split)")
-    parser.add_argument("--samples", type=int, help="K sampled completions per problem for pass@k and maj@K")
-    parser.add_argument("--temperature", type=float, help="sampling temperature for --samples (required when K > 1)")
-    parser.add_argument("--seed", type=int, help="sampling and bootstrap seed (default 0)")
+    settings.add_arguments(parser, EvalSettings, only=["n", "samples", "temperature", "seed"])
     parser.add_argument("--out", metavar="DIR", help="output folder, new or empty (default runs/eval/TASK-TIME)")
     parser.add_argument("--overwrite", action="store_true", default=None, help="replace a non-empty output folder")
-    parser.add_argument("--backend", choices=BACKENDS.names(), help="generation backend (default transformers)")
-    parser.add_argument("--batch-size", type=int, help="sequences generated together (default 32)")
-    parser.add_argument("--max-new-tokens", type=int, help="completion length limit (default 512)")
-
+    settings.add_arguments(parser, EvalSettings, only=["backend", "batch_size", "max_new_tokens"])
 
 def run(args) -> int:
     config = load_eval_config(
@@ -42,15 +36,9 @@ def run(args) -> int:
         task_config=args.task_config,
         checkpoints=args.checkpoints,
         task=args.task,
-        n=args.n,
-        samples=args.samples,
-        temperature=args.temperature,
-        seed=args.seed,
         out=args.out,
         overwrite=args.overwrite,
-        backend=args.backend,
-        batch_size=args.batch_size,
-        max_new_tokens=args.max_new_tokens,
+        **settings.overrides(args, EvalSettings),
     )
     config.validate()
     result = evaluate(

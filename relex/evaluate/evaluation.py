@@ -50,7 +50,7 @@ class EvalSettings:
     samples: int = setting(1, "K sampled completions per problem for pass@k and maj@K (K > 1 needs a temperature)")
     temperature: float = setting(0.0, "sampling temperature of the K samples")
     seed: int = setting(0, "sampling and bootstrap seed")
-    backend: str = setting("transformers", "generation backend")
+    backend: str = setting("transformers", "generation backend: transformers, or vllm where it is installed")
     batch_size: int = setting(32, "sequences generated together")
     max_new_tokens: int = setting(512, "completion length limit")
 
