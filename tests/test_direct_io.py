@@ -62,5 +62,5 @@ def test_cli_io_option(store, tmp_path, capsys):
     assert cli("fit", store.path, "--io", "direct", "--out", tmp_path / "fit") == 0
     assert cli("fit", store.path, "--io", "mmap", "--out", tmp_path / "fit2") == 2
     err = capsys.readouterr().err.strip()
-    assert "argument --io: invalid choice: 'mmap'" in err and len(err.splitlines()) == 1
+    assert "fit.io 'mmap': unknown I/O mode; valid: auto, direct, cached" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "fit2").exists()

@@ -24,10 +24,10 @@ def add_arguments(parser):
 
 
 def run(args):
+    config = fit_config_from(args)
     store = TrajectoryStore.open(args.store)
     inputs = [store.path, store.base_dir, args.gram_from]
     check_output(args.out, overwrite=args.overwrite, inputs=inputs)  # before the pass, not after it
-    config = fit_config_from(args)
     if launched():  # under torchrun: the ranks share the pass, rank 0 writes and reports (relex.distributed)
         result = fit_across_ranks(store, config, args.out, overwrite=args.overwrite, inputs=inputs, gram_from=args.gram_from)
         if result is None:

@@ -28,7 +28,8 @@ from relex.fit.passes import DEFAULT_CHUNK_ELEMENTS
 from relex.fit.temporal import TEMPORAL_MODELS, TemporalModel, make_temporal
 from relex.fit.trajectory_fit import TensorFit, fit_tensor
 from relex.io.atomic import atomic_output
-from relex.store import TrajectoryStore
+from relex.settings import setting
+from relex.store import IO_MODES, TrajectoryStore
 from relex.util import grouped, module_type
 
 LOG = logging.getLogger(__name__)
@@ -38,14 +39,23 @@ RECIPE = ("rank", "temporal", "degree", "window", "observe_until")  # what a sav
 
 @dataclass
 class FitConfig:
-    rank: int = 1
-    temporal: str = "linear"
-    degree: int | None = None  # for temporal="poly"
-    window: int | None = None  # the temporal model sees the last N observed steps (default: all)
-    observe_until: int | None = None  # only store steps ≤ this are observed (default: all)
-    device: str = "auto"
-    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
-    io: str = "auto"  # reading the store: auto, direct (O_DIRECT, bypassing the page cache) or cached
+    """The recipe of a fit (RECIPE: saved with it) and how a command runs it (never saved)."""
+
+    rank: int = setting(1, "directions per tensor")
+    temporal: str = setting("linear", "temporal model of the coefficients: linear, poly or robust")
+    degree: int | None = setting(None, "degree of the poly temporal model (default 2)")
+    window: int | None = setting(None, "the temporal model sees the last N observed steps (default: all)")
+    observe_until: int | None = setting(None, "use only recorded steps ≤ this (default: all)")
+    device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N")
+    chunk_elements: int = setting(DEFAULT_CHUNK_ELEMENTS, "values per block read from the store")
+    io: str = setting(
+        "auto", "reading the store: direct bypasses the page cache (O_DIRECT), for stores larger than RAM; cached "
+        "goes through it; auto picks direct when the store is larger than the memory available",
+    )
+
+    def __post_init__(self) -> None:
+        if self.io not in IO_MODES:  # the rest is checked against the store's steps (validate)
+            raise RelexError(f"fit.io {self.io!r}: unknown I/O mode; valid: {', '.join(IO_MODES)}")
 
     def temporal_model(self) -> TemporalModel:
         return make_temporal(self.temporal, self.degree)
