@@ -51,7 +51,7 @@ from relex.extrapolate.extrapolate import (
 from relex.fit.fit import FitConfig, FitResult, fit_from_grams, observed_steps, refit, validate
 from relex.fit.gram import resolve_device, tensor_grams
 from relex.io.atomic import atomic_output, check_output, write_lock
-from relex.io.checkpoint import INDEX_NAME, CheckpointReader, read_config
+from relex.io.checkpoint import INDEX_NAME, checkpoint_infos, read_config
 from relex.io.dtypes import parse_dtype
 from relex.io.hf_folder import copy_model_files, make_inference_ready, parse_size, plan_shards, shard_names
 from relex.io.stream_writer import StreamingSafetensorsWriter, tensor_bytes
@@ -192,7 +192,7 @@ def extrapolate_across_ranks(
                 hold.enter_context(write_lock(out_dir))
                 tmp = hold.enter_context(atomic_output(out_dir, overwrite=config.overwrite, inputs=inputs))
             out_dtype = parse_dtype(config.dtype) if config.dtype else None
-            layout = output_layout(CheckpointReader(store.base_dir).infos(), store.tied, out_dtype, store.base_dir)
+            layout = output_layout(checkpoint_infos(store.base_dir), store.tied, out_dtype, store.base_dir)
             shards = plan_shards(layout, max_shard)
             share = split_by_bytes([sum(tensor_bytes(i) for _, i in s) for s in shards], ranks.world)[ranks.rank]
             if ranks.is_first and len(shards) < ranks.world:

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from relex.errors import RelexError
 from relex.io.atomic import atomic_output, check_output, write_lock
-from relex.io.checkpoint import CheckpointReader, TensorInfo, read_config, weight_files
+from relex.io.checkpoint import CheckpointReader, TensorInfo, checkpoint_infos, read_config, weight_files
 from relex.io.dtypes import dtype_name, parse_dtype
 from relex.io.hub import (
     hub_revisions,
@@ -276,10 +276,12 @@ def ingest(
     stored_dtype = parse_dtype(delta_dtype) if delta_dtype else None
     if stored_dtype is not None and not copy:
         raise RelexError("--delta-dtype applies to copied deltas; add --copy")
-    with write_lock(out), _store_lock_if_store(out):
-        base_reader = CheckpointReader(base_dir)
+    with write_lock(out), _store_lock_if_store(out), contextlib.ExitStack() as closing:  # every reader closed at the end
+        base_reader = closing.enter_context(CheckpointReader(base_dir))
         base_infos = base_reader.infos()
         readers, tied = checked_readers(checkpoints, base_dir, base_infos, verify)
+        for _, reader, _ in readers:
+            closing.enter_context(reader)
         created_by = {
             "command": "relex ingest",
             "layout": sorted({c.layout for c in checkpoints}),
@@ -349,7 +351,7 @@ def repoint_store(paths: list[str | Path], base: str, out: Path, steps: list[int
         raise RelexError(f"{out}: references step{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}, not found under {', '.join(map(str, paths))}")
     base_dir = resolve_base(base)
     expected = store.tensors
-    base_infos = CheckpointReader(base_dir).infos()
+    base_infos = checkpoint_infos(base_dir)
     if base_infos != expected:
         differing = sorted(set(base_infos) ^ set(expected)) or [n for n in expected if base_infos[n] != expected[n]]
         raise RelexError(f"base {base_dir}: tensor {differing[0]} is not as in the store {out}; this is another model")

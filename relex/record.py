@@ -45,7 +45,7 @@ from transformers import TrainerCallback
 
 from relex.errors import RelexError
 from relex.io.atomic import pid_alive
-from relex.io.checkpoint import CheckpointReader, TensorInfo
+from relex.io.checkpoint import CheckpointReader, TensorInfo, checkpoint_infos
 from relex.io.dtypes import dtype_name, parse_dtype
 from relex.io.hf_folder import HFFolderWriter, make_inference_ready
 from relex.ranks import Ranks, together
@@ -183,7 +183,7 @@ class DeltaRecorder(TrainerCallback):
         if base_dir is None:
             saved = save_base(model, live, base_tmp_dir(self.store_dir), processing_class)
             base_dir = saved
-        infos = CheckpointReader(base_dir).infos()
+        infos = checkpoint_infos(base_dir)
         store = TrajectoryStore.create(
             self.store_dir,
             base_dir=BASE_NAME if saved else reference(base_dir, self.store_dir),
@@ -204,7 +204,7 @@ class DeltaRecorder(TrainerCallback):
                 f"{self.store_dir}: no store to continue, and training resumes at step {global_step}, so the model "
                 "no longer holds θ₀; pass DeltaRecorder(base=FOLDER) with the initial weights, or record from step 0"
             )
-        infos = CheckpointReader(folder).infos()
+        infos = checkpoint_infos(folder)
         check_layout(live, infos, f"base {folder}")
         store = TrajectoryStore.create(
             self.store_dir, base_dir=reference(folder, self.store_dir), tensors=infos, tied=ties_within(live, infos),
@@ -217,7 +217,8 @@ class DeltaRecorder(TrainerCallback):
         store = TrajectoryStore.open(self.store_dir)
         check_layout(live, store.tensors, f"store {store.path} (base {store.base_dir})")
         if global_step == 0:
-            check_values(live, CheckpointReader(store.base_dir), f"store {store.path}")
+            with CheckpointReader(store.base_dir) as reader:
+                check_values(live, reader, f"store {store.path}")
         later = [s for s in store.steps if s > global_step]
         if later:
             raise RelexError(
@@ -238,17 +239,17 @@ class DeltaRecorder(TrainerCallback):
     def _matching_base_folder(self, model, live, theta0) -> Path | None:
         """The base folder to reference: `base` (must match), else the model's own folder if it matches."""
         if self.base is not None:
-            reader = CheckpointReader(self.base)
-            check_layout(live, reader.infos(), f"base {self.base}")
-            check_values(theta0, reader, f"base {self.base}")
+            with CheckpointReader(self.base) as reader:
+                check_layout(live, reader.infos(), f"base {self.base}")
+                check_values(theta0, reader, f"base {self.base}")
             return self.base.resolve()
         folder = local_model_folder(model)
         if folder is None:
             return None
         try:
-            reader = CheckpointReader(folder)
-            check_layout(live, reader.infos(), f"model folder {folder}")
-            check_values(theta0, reader, f"model folder {folder}")
+            with CheckpointReader(folder) as reader:
+                check_layout(live, reader.infos(), f"model folder {folder}")
+                check_values(theta0, reader, f"model folder {folder}")
         except RelexError as error:
             LOG.warning("not referencing the model's folder as the base (%s); saving θ₀ into the store", error)
             return None
@@ -424,8 +425,8 @@ def check_values(theta: dict[str, torch.Tensor], reader: CheckpointReader, where
 
 
 def read_theta0(store: TrajectoryStore) -> dict[str, torch.Tensor]:
-    reader = CheckpointReader(store.base_dir)
-    return {name: reader.read(name).float() for name in store.trajectory_names}
+    with CheckpointReader(store.base_dir) as reader:
+        return {name: reader.read(name).float() for name in store.trajectory_names}
 
 
 def check_resumed(live: dict[str, torch.Tensor], theta0: dict[str, torch.Tensor], store: TrajectoryStore, step: int) -> None:
@@ -433,17 +434,17 @@ def check_resumed(live: dict[str, torch.Tensor], theta0: dict[str, torch.Tensor]
     entry = store.entry(step)
     if entry.kind != "delta":
         return
-    deltas = CheckpointReader.from_file(store.path / entry.path)
     tolerance = RESUME_TOLERANCE + 2 * (entry.quantization_error or 0.0)
-    for name in store.trajectory_names:
-        delta = deltas.read(name).float()
-        error = (live[name].detach().to("cpu", torch.float32) - theta0[name] - delta).norm()
-        if error > tolerance * delta.norm() + 1e-6 * theta0[name].norm():
-            raise RelexError(
-                f"{store.path}: tensor {name} of the checkpoint at step {step} is not θ₀ + the delta recorded at "
-                f"step {step} (relative difference {float(error / max(delta.norm(), 1e-30)):.3g}); this checkpoint "
-                "belongs to another run"
-            )
+    with CheckpointReader.from_file(store.path / entry.path) as deltas:
+        for name in store.trajectory_names:
+            delta = deltas.read(name).float()
+            error = (live[name].detach().to("cpu", torch.float32) - theta0[name] - delta).norm()
+            if error > tolerance * delta.norm() + 1e-6 * theta0[name].norm():
+                raise RelexError(
+                    f"{store.path}: tensor {name} of the checkpoint at step {step} is not θ₀ + the delta recorded at "
+                    f"step {step} (relative difference {float(error / max(delta.norm(), 1e-30)):.3g}); this checkpoint "
+                    "belongs to another run"
+                )
 
 
 # ---- saving θ₀ ----------------------------------------------------------------------------------------------------

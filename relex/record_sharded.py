@@ -94,7 +94,7 @@ class ShardedRecording:
 
     def _check_base(self, model) -> None:
         """The base folder holds θ₀ (checked tensor by tensor, gathered); then rank 0 creates the store."""
-        infos = None
+        infos, reader = None, None
         with together(self.ranks, f"checking the base {self.base}"):
             if self.ranks.is_first:
                 reader = CheckpointReader(self.base)
@@ -113,6 +113,8 @@ class ShardedRecording:
                 if not torch.equal(theta0.to(stored.dtype), stored):
                     failure = RelexError(f"base {self.base}: tensor {name} differs from the model's initial weights; "
                                          "pass DeltaRecorder(base=FOLDER) with the weights training starts from")
+        if reader is not None:
+            reader.close()
         store = None
         with together(self.ranks, f"creating the store {self.recorder.store_dir}"):
             if failure is not None:

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import relex.fit.gram
 from relex.errors import RelexError
+from relex.io.checkpoint import CheckpointReader, checkpoint_infos
 from relex.store import Block, TrajectoryStore
 from tests.conftest import STEPS, cli
 
@@ -106,3 +107,12 @@ def test_stopping_a_stream_early_releases_its_readers(store):
     stream.close()
     assert reader_threads() == 0
     assert torch.get_num_threads() == threads_before
+
+
+def test_a_checkpoint_reader_closes_its_files_at_the_end_of_a_with_block(tmp_path):
+    save_file({"w": torch.arange(6.0).reshape(2, 3)}, str(tmp_path / "model.safetensors"))
+    with CheckpointReader(tmp_path) as reader:
+        assert reader.read("w", rows=(1, 2)).tolist() == [[3.0, 4.0, 5.0]]
+        assert len(reader._handles) == 1
+    assert reader._handles == {}
+    assert checkpoint_infos(tmp_path)["w"].shape == (2, 3)

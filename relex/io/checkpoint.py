@@ -97,6 +97,12 @@ def read_config(folder: str | Path) -> dict | None:
     return config
 
 
+def checkpoint_infos(folder: str | Path) -> dict[str, "TensorInfo"]:
+    """Name -> shape and dtype of every tensor of a checkpoint folder, its files closed again."""
+    with CheckpointReader(folder) as reader:
+        return reader.infos()
+
+
 def _header_names(path: Path) -> list[str]:
     file = SafetensorsFile(path)
     names = file.keys()
@@ -105,7 +111,8 @@ def _header_names(path: Path) -> list[str]:
 
 
 class CheckpointReader:
-    """Reads named tensors (or row ranges of them) from one checkpoint folder, keeping file handles open."""
+    """Reads named tensors (or row ranges of them) from one checkpoint folder, keeping file handles open until
+    `close` (or the end of a `with` block)."""
 
     def __init__(self, folder: str | Path, direct: bool = False):
         self.folder = Path(folder)
@@ -154,6 +161,12 @@ class CheckpointReader:
     def read_into(self, name: str, out: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
         """Fill `out` (contiguous, the stored dtype) with tensor `name` or its rows, without an intermediate copy."""
         self._handle(name).read_into(name, out, rows)
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
         for handle in self._handles.values():

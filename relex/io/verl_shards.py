@@ -170,5 +170,11 @@ class VerlShardReader:
             return placement.dim
         raise RelexError(f"{self.folder}: tensor {name} has placement {placement}; only Shard and Replicate can be read")
 
+    def __enter__(self) -> "VerlShardReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         self._states = None

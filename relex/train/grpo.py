@@ -55,7 +55,7 @@ from relex import __version__
 from relex.errors import RelexError
 from relex.ingest import resolve_base
 from relex.io.atomic import write_lock, write_text_atomic
-from relex.io.checkpoint import CheckpointReader
+from relex.io.checkpoint import checkpoint_infos
 from relex.models import make_tiny_llama, resolve_model
 from relex.ranks import RankFailed, Ranks, launched, process_group, together
 from relex.record import DeltaRecorder, refuse_deepspeed
@@ -380,7 +380,7 @@ def checkpoint_problem(checkpoint: Path, step: int) -> str | None:
     if not isinstance(state, dict) or state.get("global_step") != step:
         return f"{TRAINER_STATE} is not for step {step}"
     try:
-        CheckpointReader(checkpoint).infos()  # every shard's header checked against its size
+        checkpoint_infos(checkpoint)  # every shard's header checked against its size
     except RelexError as error:
         return str(error)
     return None
