@@ -16,7 +16,7 @@ import numpy as np
 
 from relex.errors import RelexError
 from relex.extrapolate.methods import Plan, get_method
-from relex.fit.fit import FitConfig, validate
+from relex.fit.fit import FitConfig, FitResult, validate
 from relex.fit.gram import GRAM, resolve_device
 from relex.fit.passes import Consumer, PassBudget, plan_pass, run_pass
 from relex.fit.trajectory_fit import fit_tensor
@@ -96,6 +96,14 @@ class _Errors(Consumer):
         if gram[0, 0] > 0 and gram[p:, p:].trace() > 0:
             (u_early, s_early), (u_late, s_late) = _direction(g_pp), _direction(gram[p:, p:])
             self.result.drift[name] = abs(float(u_early @ gram[:p, p:] @ u_late)) / (s_early * s_late)
+
+
+def grams_of_fit(fit_dir: str | Path, store: TrajectoryStore) -> dict[str, np.ndarray]:
+    """The Gram matrices of an earlier fit (`relex backtest --gram-from`), which must cover every recorded step."""
+    previous = FitResult.load(fit_dir)
+    if previous.steps.tolist() != store.steps:
+        raise RelexError(f"{fit_dir}: its Gram covers steps {previous.steps.tolist()[:3]}…, not all {len(store.steps)} recorded steps")
+    return previous.grams
 
 
 def backtest_store(

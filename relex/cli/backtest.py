@@ -2,11 +2,9 @@
 
 import dataclasses
 
-from relex.backtest import backtest_store
+from relex.backtest import backtest_store, grams_of_fit
 from relex.cli.common import add_fit_options, fit_config_from
 from relex.distributed import backtest_across_ranks
-from relex.errors import RelexError
-from relex.fit import FitResult
 from relex.io.atomic import check_output, refuse_inputs
 from relex.present import backtest_tables, show
 from relex.ranks import launched
@@ -22,21 +20,13 @@ def add_arguments(parser):
     add_fit_options(parser, observe_until_required=True)
 
 
-def grams_from(fit_dir: str, store: TrajectoryStore):
-    """The Gram matrices of an earlier fit, which must cover every recorded step of `store`."""
-    previous = FitResult.load(fit_dir)
-    if previous.steps.tolist() != store.steps:
-        raise RelexError(f"{fit_dir}: its Gram covers steps {previous.steps.tolist()[:3]}…, not all {len(store.steps)} recorded steps")
-    return previous.grams
-
-
 def run(args):
     store = TrajectoryStore.open(args.store)
     if args.out:  # refused before the pass over the store: a folder, or the store or its base itself
         check_output(args.out, overwrite=True, folder=False)
         refuse_inputs(args.out, [store.path, store.base_dir])
     config = dataclasses.replace(fit_config_from(args), observe_until=None)  # the prefix is backtest's own argument
-    grams = grams_from(args.gram_from, store) if args.gram_from else None
+    grams = grams_of_fit(args.gram_from, store) if args.gram_from else None
     methods = comma_list(args.methods)
     if launched() and grams is None:  # under torchrun: the ranks share the Gram pass, rank 0 reports (relex.distributed)
         result = backtest_across_ranks(store, args.observe_until, methods, config)
