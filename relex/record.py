@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -70,6 +71,10 @@ class DeltaRecorder(TrainerCallback):
             matches, else θ₀ is saved into the store).
         delta_dtype: stored precision of the deltas (`float32` default; `bfloat16` halves the store and records
             its rounding error in the manifest).
+        background: write each record in a thread while training goes on (one process only): training waits for
+            a float32 CPU copy of the weights and for the previous record's write, not for the subtraction and
+            the file. A step whose checkpoint the trainer saves is still recorded before the save, so a resumed
+            run finds it; a failed write ends training at the next record, or at train end, in one line.
 
     The store is opened at train begin; `store` holds it afterwards (a `TrajectoryStore`).
 
@@ -86,6 +91,7 @@ class DeltaRecorder(TrainerCallback):
         every: int = 1,
         base: str | Path | None = None,
         delta_dtype: str | torch.dtype | None = None,
+        background: bool = False,
     ):
         if not is_positive_int(every):
             raise RelexError(f"DeltaRecorder: every must be a positive number of optimizer steps, got {every!r}")
@@ -104,6 +110,9 @@ class DeltaRecorder(TrainerCallback):
         self._sharded: ShardedRecording | None = None  # FSDP2: this rank's part of the recording (relex.record_sharded)
         self._replicas: Ranks | None = None  # DDP: the ranks that exchange a status at each record
         self._replica_steps: list[int] = []  # DDP: the store's steps, known alike on every rank
+        self.background = background
+        self._writer: threading.Thread | None = None  # the record being written (background)
+        self._write_error: BaseException | None = None
 
     # ---- trainer events ----------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
@@ -139,10 +148,13 @@ class DeltaRecorder(TrainerCallback):
         if self._last_step_end is not None:
             self.step_seconds.append(now - self._last_step_end)
         if state.global_step % self.every == 0 or state.global_step == state.max_steps:
-            self.record(state.global_step)
+            # a step the trainer saves now, or the last, is written before the save and the end of training
+            at_once = control.should_save or state.global_step == state.max_steps
+            self.record(state.global_step, wait=at_once)
         self._last_step_end = time.perf_counter()
 
     def on_train_end(self, args, state, control, **kwargs):
+        self.flush()
         # training stopped early (a callback, or the data ran out): the last step is still recorded
         if self._sharded is not None:  # every rank decides alike, from the steps they all gathered
             if state.global_step > 0 and state.global_step not in self._sharded.steps:
@@ -264,8 +276,9 @@ class DeltaRecorder(TrainerCallback):
         }
 
     # ---- recording -----------------------------------------------------------------------------------------------
-    def record(self, step: int):
-        """Append θ − θ₀ at `step` now; a step already in the store is refused."""
+    def record(self, step: int, wait: bool = True):
+        """Append θ − θ₀ at `step`; a step already in the store is refused. With `background` and not `wait`, the
+        write goes on in a thread after this returns (`flush` waits for it)."""
         if self._sharded is not None:  # every rank takes part; rank 0 writes
             return self._sharded.record(step)
         if self._replicas is not None:  # DDP: rank 0 writes; every rank learns whether it could
@@ -275,7 +288,42 @@ class DeltaRecorder(TrainerCallback):
                     entry = self._append(step)
             self._replica_steps.append(step)
             return entry
+        self.flush()
+        if self.background and not wait:
+            return self._append_behind(step)
         return self._append(step)
+
+    def flush(self) -> None:
+        """Wait for the record being written in the background; its failure is raised here, in one line."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        error, self._write_error = self._write_error, None
+        if isinstance(error, RelexError):
+            raise error
+        if error is not None:
+            raise RelexError(f"{self.store_dir}: recording in the background failed: {error}") from error
+
+    def _append_behind(self, step: int) -> None:
+        if self.store is None:
+            raise RelexError("DeltaRecorder: nothing to record yet (the trainer has not begun training)")
+        started = time.perf_counter()
+        weights = {name: tensor.detach().to("cpu", torch.float32, copy=True) for name, tensor in self._live.items()}
+        waited = time.perf_counter() - started  # what training waits for; the write goes on beside it
+        itemsize = torch.empty((), dtype=self.delta_dtype or torch.float32).element_size()
+        self.timings.append(RecordTiming(step, waited, itemsize * sum(w.numel() for w in weights.values())))
+
+        def write() -> None:
+            try:
+                written = time.perf_counter()
+                self.store.append_deltas(step, lambda name: weights[name] - self._theta0[name], self.delta_dtype,
+                                         self._source_dtype)
+                LOG.debug("recorded step %d in the background in %.3f s", step, time.perf_counter() - written)
+            except BaseException as error:  # raised in the training thread by the next flush
+                self._write_error = error
+
+        self._writer = threading.Thread(target=write, name="relex-recorder", daemon=True)
+        self._writer.start()
 
     def _append(self, step: int):
         if self.store is None:
@@ -292,7 +340,8 @@ class DeltaRecorder(TrainerCallback):
         return self._live[name].detach().to("cpu", torch.float32) - self._theta0[name]
 
     def overhead(self) -> dict[str, float]:
-        """Recording time against training time: total and mean seconds, and their ratio."""
+        """Recording time against training time: total and mean seconds, and their ratio (with `background`, the
+        time training waited for each record)."""
         record = sum(t.seconds for t in self.timings)
         train = sum(self.step_seconds)
         return {

@@ -167,3 +167,57 @@ def test_a_killed_recorders_base_leftover_is_removed(tmp_path):
     assert not dead.exists() and live.is_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "trajectory"]
     assert (recorder.store.base_dir / "config.json").is_file()
+
+
+def test_a_background_recorder_writes_the_same_deltas_while_training_goes_on(tmp_path, monkeypatch):
+    model = tiny_model()
+    theta0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    snapshots = Snapshots()
+    recorder = DeltaRecorder(tmp_path / "trajectory", every=1, background=True)
+    written_behind = []
+    real_append = DeltaRecorder._append_behind
+
+    def append_behind(self, step):
+        written_behind.append(step)
+        return real_append(self, step)
+
+    monkeypatch.setattr(DeltaRecorder, "_append_behind", append_behind)
+    trainer_for(model, tmp_path, max_steps=5, callbacks=[snapshots, recorder]).train()
+    assert written_behind == [1, 2, 3, 4]  # the last step is written before training ends
+    store = TrajectoryStore.open(tmp_path / "trajectory")
+    assert store.steps == [1, 2, 3, 4, 5] and recorder._writer is None
+    reader = store.reader()
+    for name in store.trajectory_names:
+        for row, step in zip(reader.read(name), store.steps):
+            assert torch.equal(row, (snapshots.at[step][name] - theta0[name]).reshape(-1)), (name, step)
+    assert [t.step for t in recorder.timings] == [1, 2, 3, 4, 5]
+
+
+def test_a_step_the_trainer_saves_is_recorded_before_the_save(tmp_path):
+    recorder = DeltaRecorder(tmp_path / "trajectory", every=1, background=True)
+    seen = []
+
+    class AtSave(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            seen.append((state.global_step, recorder._writer is None, list(TrajectoryStore.open(tmp_path / "trajectory").steps)))
+
+    trainer = trainer_for(tiny_model(), tmp_path, max_steps=4, callbacks=[recorder, AtSave()], save_strategy="steps",
+                          save_steps=2)
+    trainer.train()
+    assert seen[0] == (2, True, [1, 2])  # step 1 went behind; step 2, saved, was written before the checkpoint
+
+
+def test_a_background_write_that_fails_ends_training_in_one_line(tmp_path, monkeypatch):
+    recorder = DeltaRecorder(tmp_path / "trajectory", every=1, background=True)
+    real = TrajectoryStore.append_deltas
+
+    def full_disk(self, step, *args, **kwargs):
+        if step == 2:
+            raise OSError(28, "No space left on device")
+        return real(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(TrajectoryStore, "append_deltas", full_disk)
+    with pytest.raises(RelexError, match="recording in the background failed: .*No space left on device") as error:
+        trainer_for(tiny_model(), tmp_path, max_steps=5, callbacks=[recorder]).train()
+    assert len(str(error.value).splitlines()) == 1
+    assert TrajectoryStore.open(tmp_path / "trajectory").steps == [1]

@@ -122,6 +122,10 @@ class RecordConfig:
     delta_dtype: str | None = setting(None, "stored precision of the deltas (default float32)")
     resumable: bool = setting(False, "also save a full checkpoint (optimizer included) at every recorded step")
     keep_checkpoints: int = setting(1, "how many of those checkpoints to keep (the last ones)")
+    background: bool = setting(
+        True, "write each record while training goes on (one process; holds a float32 copy of the model in host "
+        "memory while it writes); false: training waits for the file",
+    )
 
     def __post_init__(self) -> None:
         for key in ("every", "keep_checkpoints"):
@@ -129,6 +133,8 @@ class RecordConfig:
                 raise RelexError(f"record.{key}: expected a positive integer, got {getattr(self, key)!r}")
         if self.delta_dtype is not None:
             parse_dtype(self.delta_dtype)
+        if not isinstance(self.background, bool):
+            raise RelexError(f"record.background: expected true or false, got {self.background!r}")
 
 
 def model_shorthand(value: Any) -> Any:

@@ -430,7 +430,8 @@ def build_trainer(prepared: Prepared, *, show_progress: bool = True, recorder=No
         run_dir.mkdir(parents=True, exist_ok=True)
         write_config(run_dir / CONFIG_NAME, config, prepared.model_path)
     if recorder is None:
-        recorder = DeltaRecorder(run_dir / STORE_NAME, every=config.record.every, delta_dtype=config.record.delta_dtype)
+        recorder = DeltaRecorder(run_dir / STORE_NAME, every=config.record.every, delta_dtype=config.record.delta_dtype,
+                                 background=config.record.background)
     logger = StepLogger(run_dir / LOG_NAME, recorder, show_progress=show_progress)
     if hasattr(recorder, "step_logger"):
         recorder.step_logger = logger
