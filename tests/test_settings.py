@@ -13,13 +13,15 @@ from relex.accelerate.config import AccelerateConfig, WarningConfig
 from relex.errors import RelexError
 from relex.evaluate.config import EvalConfig
 from relex.evaluate.evaluation import EvalSettings
+from relex.extrapolate import ExtrapolateConfig
+from relex.fit import FitConfig
 from relex.settings import add_arguments, help_text, load, overrides, setting
 from relex.sweep import SweepConfig
 from relex.tasks import TaskSpec, as_task_spec
 from relex.train.config import ModelConfig, RecordConfig, RewardConfig, TrainConfig
 
 SETTINGS_CLASSES = [TaskSpec, ModelConfig, RewardConfig, RecordConfig, TrainConfig, WarningConfig, AccelerateConfig,
-                    EvalSettings, EvalConfig, SweepConfig]
+                    EvalSettings, EvalConfig, SweepConfig, FitConfig, ExtrapolateConfig]
 TASK = {"source": "reasoning_gym", "name": "chain_sum"}
 
 

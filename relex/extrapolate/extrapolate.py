@@ -17,7 +17,7 @@ import os
 import shutil
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +49,7 @@ from relex.io.checkpoint import CheckpointReader, TensorInfo, read_config
 from relex.io.dtypes import dtype_name, parse_dtype
 from relex.io.hf_folder import HFFolderWriter, model_order, parse_size
 from relex.io.stream_writer import WriteBehind
+from relex.settings import setting
 from relex.store import TrajectoryStore
 from relex.util import comma_list, module_type, most_common_float_dtype
 
@@ -59,16 +60,18 @@ DEFAULT_CACHE_ELEMENTS = DEFAULT_HOLD_ELEMENTS  # a trajectory up to this size i
 
 @dataclass
 class ExtrapolateConfig:
-    targets: list[int]
-    method: str = "relex"
-    fit: FitConfig = field(default_factory=FitConfig)
-    anchors: tuple[int, int] | None = None
-    dtype: str | None = None  # output dtype of float tensors; default: each tensor's base dtype
-    max_shard_size: str = "5GB"
-    overwrite: bool = False
-    cache_elements: int = DEFAULT_CACHE_ELEMENTS
-    scale: float = 1.0  # λ: the displacement predicted beyond the last observed step is multiplied by this
-    keep: tuple[str, ...] = ()  # module-type patterns copied from the last observed step instead of extrapolated
+    """What `relex extrapolate` writes (targets, method, output) and the fit it uses (relex.settings fields)."""
+
+    targets: list[int] = setting(help="target steps, each written as one Hugging Face folder step-N")
+    method: str = setting("relex", "extrapolation method (relex.extrapolate.methods)")
+    fit: FitConfig = setting(help="the fit's recipe and how it runs", factory=FitConfig)
+    anchors: tuple[int, int] | None = setting(None, "two-point's two recorded steps (default: the first and last observed)")
+    dtype: str | None = setting(None, "output dtype of float tensors (default: each tensor's base dtype)")
+    max_shard_size: str = setting("5GB", "largest safetensors shard written")
+    overwrite: bool = setting(False, "replace a non-empty output folder")
+    cache_elements: int = setting(DEFAULT_CACHE_ELEMENTS, "a trajectory up to this many values is read once, not twice")
+    scale: float = setting(1.0, "λ: the displacement predicted beyond the last observed step is multiplied by this")
+    keep: tuple[str, ...] = setting((), "module-type patterns copied from the last observed step instead of extrapolated")
 
 
 @dataclass
