@@ -140,12 +140,18 @@ sys.exit(main(sys.argv[3:]))
 '''
 
 
-def test_a_failure_while_rank_0_records_ends_every_rank_with_the_same_line(tmp_path):
+def train_failing(tmp_path, rank: str, what: str):
+    """`relex train` on 2 ranks with FAILING's fault `what` ("disk" or "reward") on `rank`: the finished launch
+    (which must have failed) and the relex error lines it printed."""
     (tmp_path / "failing.py").write_text(FAILING)
-    done = launch("failing.py", "0", "disk", "train", "--config", config_file(tmp_path, 8), "--out", tmp_path / "run",
+    done = launch("failing.py", rank, what, "train", "--config", config_file(tmp_path, 8), "--out", tmp_path / "run",
                   "--no-progress", cwd=tmp_path, monitor=3)
     assert done.returncode != 0
-    lines = relex_lines(done.stderr)
+    return done, relex_lines(done.stderr)
+
+
+def test_a_failure_while_rank_0_records_ends_every_rank_with_the_same_line(tmp_path):
+    done, lines = train_failing(tmp_path, "0", "disk")
     assert len(lines) == 2 and lines[0] == lines[1], done.stderr[-4000:]
     assert "rank 0 of 2: recording step 1:" in lines[0] and "No space left on device" in lines[0]
     assert TRACEBACK not in done.stderr  # no traceback through relex's code on either rank
@@ -153,11 +159,7 @@ def test_a_failure_while_rank_0_records_ends_every_rank_with_the_same_line(tmp_p
 
 
 def test_a_rank_that_fails_alone_ends_the_others_in_one_line(tmp_path):
-    (tmp_path / "failing.py").write_text(FAILING)
-    done = launch("failing.py", "1", "reward", "train", "--config", config_file(tmp_path, 8), "--out", tmp_path / "run",
-                  "--no-progress", cwd=tmp_path, monitor=3)
-    assert done.returncode != 0
-    lines = relex_lines(done.stderr)
+    done, lines = train_failing(tmp_path, "1", "reward")
     assert lines and len(lines) <= 2, done.stderr[-4000:]
     assert "relex train: error: the verifier broke" in lines
     others = [line for line in lines if "the verifier broke" not in line]  # rank 0, unless the launcher killed it first

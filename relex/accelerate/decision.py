@@ -66,11 +66,17 @@ def decide(candidates: list[Candidate], current: list[float], *, margin: float, 
         return Decision(False, None, "no candidate")
     compare(candidates, current, seed)
     best = max(candidates, key=lambda c: (c.accuracy, c.target))
-    if best.diff < min_gain:
-        return Decision(False, best, f"best candidate ({best.name}) gains {best.diff:+.3f} < {min_gain:+.3f}")
-    if best.ci_low < -margin:
-        return Decision(False, best, f"best candidate ({best.name}) may lose up to {-best.ci_low:.3f} > margin {margin:.3f}")
-    return Decision(True, best, f"{best.name} gains {best.diff:+.3f} [{best.ci_low:+.3f}, {best.ci_high:+.3f}]")
+    jump, verdict = rule(best.diff, best.ci_low, best.ci_high, margin=margin, min_gain=min_gain)
+    return Decision(jump, best, f"{best.name} {verdict}" if jump else f"best candidate ({best.name}) {verdict}")
+
+
+def rule(diff: float, low: float, high: float, *, margin: float, min_gain: float) -> tuple[bool, str]:
+    """The guard's rule on a paired difference and its 95% interval: (pass?, what it found)."""
+    if diff < min_gain:
+        return False, f"gains {diff:+.3f} < {min_gain:+.3f}"
+    if low < -margin:
+        return False, f"may lose up to {-low:.3f} > margin {margin:.3f}"
+    return True, f"gains {diff:+.3f} [{low:+.3f}, {high:+.3f}]"
 
 
 @dataclass
@@ -94,11 +100,6 @@ def confirm(chosen: Candidate, correct: list[float], current: list[float], *, ma
             seed: int = 0) -> Confirmation:
     """The guard's rule once more, on problems that took no part in picking `chosen`."""
     diff, low, high = paired_bootstrap_diff(correct, current, seed=seed)
-    if diff < min_gain:
-        jump, reason = False, f"gains {diff:+.3f} < {min_gain:+.3f} on {len(current)} fresh problems"
-    elif low < -margin:
-        jump, reason = False, f"may lose up to {-low:.3f} > margin {margin:.3f} on {len(current)} fresh problems"
-    else:
-        jump, reason = True, f"gains {diff:+.3f} [{low:+.3f}, {high:+.3f}] on {len(current)} fresh problems"
+    jump, verdict = rule(diff, low, high, margin=margin, min_gain=min_gain)
     return Confirmation(len(current), float(sum(correct) / len(correct)), float(sum(current) / len(current)),
-                        diff, low, high, jump, reason)
+                        diff, low, high, jump, f"{verdict} on {len(current)} fresh problems")

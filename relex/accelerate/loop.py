@@ -330,7 +330,8 @@ class JumpController(TrainerCallback):
         return candidates
 
     def _confirm(self, decision: Decision, current: dict, step: int) -> Confirmation | None:
-        """The picked candidate against the current weights on the fresh confirmation problems (None: none kept)."""
+        """The picked candidate against the current weights on the fresh confirmation problems (None: the run has
+        no confirmation problems, confirm_size 0)."""
         if self.confirmer is None:
             return None
         chosen = decision.chosen

@@ -13,6 +13,7 @@ from relex.accelerate.loop import JumpController, ValidationScorer
 from relex.accelerate.validation import carved_from_train, split_confirmation, validation_split
 from relex.errors import RelexError
 from relex.io.atomic import write_lock
+from relex.ranks import launched
 from relex.train.config import TrainConfig
 from relex.train.grpo import build_trainer, closing_progress, finished_step, prepare
 
@@ -49,11 +50,10 @@ def run_accelerate(config: TrainConfig, accelerate: AccelerateConfig | None = No
         >>> (run / "jumps.jsonl").is_file()  # doctest: +SKIP
         True
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:  # a jump loads weights into one live model and its optimizer; ranks would each jump on their own
+    if launched():  # a jump loads weights into one live model and its optimizer; ranks would each jump on their own
         raise RelexError(
-            f"relex accelerate runs in one process, not {world} (started by accelerate launch or torchrun); run it "
-            "directly, or train with several processes through relex train"
+            f"relex accelerate runs in one process, not {os.environ['WORLD_SIZE']} (started by accelerate launch or "
+            "torchrun); run it directly, or train with several processes through relex train"
         )
     accelerate = accelerate or accelerate_config(config)
     config.accelerate = accelerate.to_dict()  # the run's config.yaml states what the loop used
