@@ -35,10 +35,10 @@ from relex.accelerate.loop import read_jumps
 from relex.accelerate.run import accelerate_config
 from relex.errors import RelexError
 from relex.evaluate import EvalResult, evaluate
-from relex.evaluate.config import read_yaml_mapping
 from relex.io.atomic import atomic_output, write_json_atomic
 from relex.present import DASH, Table, interval, jumps_table, step
 from relex.report import write_report
+from relex.settings import read_yaml_mapping
 from relex.store import TrajectoryStore
 from relex.train import load_config
 

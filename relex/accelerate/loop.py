@@ -245,17 +245,16 @@ class JumpController(TrainerCallback):
         for folder in sorted((self.run_dir / JUMPS).glob("[0-9][0-9][0-9]")):
             if int(folder.name) >= len(jumps):
                 shutil.rmtree(folder)
-        kept = 0
+        kept, created = 0, {}  # created: the last kept segment's provenance
         for folder in sorted((self.run_dir / SEGMENTS).glob("[0-9][0-9][0-9]")):
-            start = TrajectoryStore.open(folder).manifest["created_by"].get("segment_start_step") if is_store(folder) else None
-            if start is None or start >= global_step:
+            made = TrajectoryStore.open(folder).manifest["created_by"] if is_store(folder) else {}
+            if made.get("segment_start_step") is None or made["segment_start_step"] >= global_step:
                 shutil.rmtree(folder)
             else:
-                kept += 1
+                kept, created = kept + 1, made
         self.segment_index = kept
         if kept:  # a segment that started before the checkpoint and has no decision at its end yet: continue it
             folder = segment_dir(self.run_dir, kept - 1)
-            created = TrajectoryStore.open(folder).manifest["created_by"]
             decided = any(j["segment"] == kept - 1 for j in jumps)
             if not decided:
                 self.segment_index = kept - 1
