@@ -17,8 +17,8 @@ from relex.accelerate.loop import read_jumps
 from relex.accelerate.optimizer import apply_policy
 from relex.accelerate.validation import read_folder, split_confirmation, validation_split
 from relex.errors import RelexError
-from relex.extrapolate import ExtrapolateConfig, extrapolate_store
-from relex.fit import FitConfig
+from relex.extrapolate import ExtrapolateConfig, extrapolate_states, extrapolate_store
+from relex.fit import FitConfig, FitResult
 from relex.store import TrajectoryStore
 from relex.sweep import validation_task
 from relex.train import load_config
@@ -292,6 +292,38 @@ def test_scale_keep_and_anchored_equal_closed_forms(planted, store, tmp_path):
         torch.testing.assert_close(read_out(outputs["scaled"] / f"step-{target}", norm), norm0 + norm_m[-1], rtol=0, atol=1e-6)
     provenance = json.loads((outputs["scaled"] / "step-20" / "relex.json").read_text())
     assert provenance["scale"] == 0.4 and norm in provenance["kept"]
+
+
+def test_candidates_formed_in_memory_equal_the_written_checkpoints(store, tmp_path):
+    """extrapolate_states keeps what extrapolate_store writes, value for value, tied aliases and kept types included
+    (small blocks: the pass reads the larger tensors in several, which are joined again)."""
+    fit = FitConfig(observe_until=OBSERVED[-1], device="cpu", chunk_elements=2048)
+    config = ExtrapolateConfig(targets=[20, 30], method="relex-anchored", fit=fit, scale=0.5,
+                               keep=("*layernorm.weight",), cache_elements=4096, overwrite=True)
+    written = extrapolate_store(store, tmp_path / "written", config)
+    reports, states = extrapolate_states(store, config)
+    assert [r.target for r in reports] == [20, 30]
+    for report, state, on_disk in zip(reports, states, written):
+        folder = read_folder(on_disk.path)
+        assert set(state) == set(folder)
+        for name, values in folder.items():
+            torch.testing.assert_close(state[name], values, rtol=0, atol=0)
+        assert report.delta_norm == pytest.approx(on_disk.delta_norm, rel=1e-12)
+
+
+def test_the_loop_jumps_to_candidates_formed_in_memory(tmp_path):
+    """Without keep_candidates no candidate is written; the run jumps to the same weights a written one holds."""
+    run = accelerate_run(tmp_path, scorer_preferring(candidates=True), keep_candidates=False)
+    first = read_jumps(run)[0]
+    assert first["jumped"] and first["chosen"]["path"] is None and not (run / "jumps" / "000" / "candidates").exists()
+    segment = TrajectoryStore.open(run / "segments" / "000")
+    chosen = first["chosen"]
+    config = ExtrapolateConfig(targets=[chosen["target"] - first["segment_start"]], method=chosen["method"],
+                               scale=chosen["scale"])
+    [written] = extrapolate_store(segment, tmp_path / "check", config, FitResult.load(run / "jumps" / "000" / "fit"))
+    expected = read_folder(written.path)
+    for name, value in tensors_of_store_step(TrajectoryStore.open(run / "segments" / "001"), 0).items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0)
 
 
 def test_keep_naming_nothing_and_bad_scale_fail_in_one_line(store, tmp_path, capsys):

@@ -90,7 +90,9 @@ class AccelerateConfig:
         help="the early warning that linearity is breaking", factory=WarningConfig, parse=warning_shorthand
     )
     jump: bool = setting(True, "jump where the guard allows; false (--no-jump): the same loop and validation, never jumping (the plain control)")
-    keep_candidates: bool = setting(False, "keep every candidate folder (default: only their scores)")
+    keep_candidates: bool = setting(
+        False, "write every candidate as a checkpoint folder and keep it (default: formed in memory, only scores kept)"
+    )
     batch_size: int = setting(64, "validation generation batch")
     max_new_tokens: int | None = setting(None, "validation completion length (default: grpo.max_completion_length)")
 

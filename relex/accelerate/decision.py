@@ -28,12 +28,18 @@ class Candidate:
     alpha: float  # target = start + α × segment length, in GRPO steps
     scale: float  # λ
     target: int  # the GRPO-step equivalent of the candidate
-    path: Path | None = None
+    path: Path | None = None  # its folder, when candidates are written (keep_candidates)
+    weights: dict | None = field(default=None, repr=False)  # its tensors, when formed in memory
     accuracy: float | None = None
     correct: list[float] = field(default_factory=list, repr=False)
     diff: float | None = None  # paired difference against the current weights
     ci_low: float | None = None
     ci_high: float | None = None
+
+    @property
+    def source(self):
+        """What the scorer loads: the tensors in memory, else the folder."""
+        return self.weights if self.weights is not None else self.path
 
     @property
     def name(self) -> str:
@@ -42,6 +48,7 @@ class Candidate:
     def to_dict(self) -> dict:
         out = asdict(self)
         out.pop("correct")
+        out.pop("weights")
         out["path"] = None if self.path is None else str(self.path)
         out["name"] = self.name
         return out

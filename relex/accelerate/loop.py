@@ -9,8 +9,9 @@ stops at the end of every segment (right after the step is logged, before a chec
 
 1. fits the segment: its deltas θ_s − θ_start were recorded at every step into the segment's own trajectory store,
    at local steps 1..m (base = the segment's start weights), so every relex method applies unchanged;
-2. checks the early warning (relex.accelerate.warning) and, unless it is raised, writes one candidate checkpoint per
-   method × α × λ with `relex extrapolate` (target = start + α·m, relex-anchored continues from the real weights);
+2. checks the early warning (relex.accelerate.warning) and, unless it is raised, forms one candidate per method × α
+   × λ in memory with the pass of `relex extrapolate` (target = start + α·m, relex-anchored continues from the real
+   weights); with keep_candidates they are written as checkpoint folders instead;
 3. scores the current weights and each candidate on the validation problems (greedy, paired, on the live model);
 4. picks the best candidate when the guard allows it (relex.accelerate.decision) and, with `confirm_size` > 0,
    scores it and the current weights again on fresh validation problems, where it must pass the guard a second
@@ -25,7 +26,7 @@ The run folder:
                                      steps 1..m; its manifest's created_by says where the segment starts and how
                                      its start weights came about (a jump, or plain training)
     RUN/jumps/NNN/fit/               the segment's fit
-    RUN/jumps/NNN/candidates/        the candidate folders (removed after scoring unless keep_candidates)
+    RUN/jumps/NNN/candidates/        the candidate folders, only with keep_candidates (otherwise formed in memory)
     RUN/final/                       the final weights, a Hugging Face folder
     RUN/summary.json                 GRPO steps, jumps, and wall time split into GRPO, fit, candidates, validation
 
@@ -58,7 +59,7 @@ from relex.accelerate.validation import (
 )
 from relex.accelerate.warning import Signals, check, fit_signals, reward_slope
 from relex.evaluate import evaluate
-from relex.extrapolate import ExtrapolateConfig, extrapolate_store
+from relex.extrapolate import ExtrapolateConfig, extrapolate_states, extrapolate_store
 from relex.fit import FitConfig, fit_store
 from relex.record import (
     DeltaRecorder,
@@ -273,7 +274,7 @@ class JumpController(TrainerCallback):
         candidates = self._prepare(jump_dir, signals, timing, start, length)
         tick = time.perf_counter()
         current = snapshot(self._model)
-        scores = self.scorer(self._model, self._tokenizer, {CURRENT: current, **{c.name: c.path for c in candidates}}, current)
+        scores = self.scorer(self._model, self._tokenizer, {CURRENT: current, **{c.name: c.source for c in candidates}}, current)
         for c in candidates:
             c.correct = scores[c.name]
             c.accuracy = float(np.mean(c.correct))
@@ -287,7 +288,7 @@ class JumpController(TrainerCallback):
         jumped = decision.jump and (confirmation is None or confirmation.jump)
         chosen = decision.chosen if jumped else None
         if chosen is not None:
-            load_into(self._model, read_folder(chosen.path))
+            load_into(self._model, chosen.weights if chosen.weights is not None else read_folder(chosen.path))
             apply_policy(self._optimizer, self.config.optimizer, chosen.target - step)
         self.virtual_step = virtual_before + (chosen.target - step if chosen else 0)
         timing.policy = time.perf_counter() - tick
@@ -304,6 +305,8 @@ class JumpController(TrainerCallback):
             "seconds": {"fit": timing.fit, "candidates": timing.candidates, "validation": timing.validation, "policy": timing.policy},
         }
         LOG.info("step %d: %s (%s)", step, "jump" if jumped else "kept", reason)
+        for c in candidates:
+            c.weights = None  # the candidates' tensors are not needed after the decision
         self._cleanup(jump_dir)
         self._record(line, timing)
         if step < state.max_steps or jumped:
@@ -334,7 +337,7 @@ class JumpController(TrainerCallback):
         if self.confirmer is None:
             return None
         chosen = decision.chosen
-        scores = self.confirmer(self._model, self._tokenizer, {CURRENT: current, chosen.name: chosen.path}, current)
+        scores = self.confirmer(self._model, self._tokenizer, {CURRENT: current, chosen.name: chosen.source}, current)
         return confirm(chosen, scores[chosen.name], scores[CURRENT], margin=self.config.margin,
                        min_gain=self.config.min_gain, seed=step)
 
@@ -360,15 +363,21 @@ class JumpController(TrainerCallback):
         return fit
 
     def _write_candidates(self, jump_dir: Path, fit, start: int, length: int) -> list[Candidate]:
+        """One candidate per method × λ × α, formed in memory (the scorer loads their tensors into the model), or
+        written under jump_dir/candidates when they are to be kept (keep_candidates)."""
         targets = sorted({max(length + 1, int(round(alpha * length))) for alpha in self.config.alphas})
         candidates = []
         for method in self.config.methods:
             for scale in self.config.scales:
-                out = jump_dir / "candidates" / f"{method}-l{scale:g}"
                 config = ExtrapolateConfig(targets=targets, method=method, fit=FitConfig(rank=self.config.rank),
                                            scale=scale, keep=tuple(self.config.keep), overwrite=True)
-                reports = extrapolate_store(self.segment.store, out, config, fit)
-                candidates += [Candidate(method, r.target / length, scale, start + r.target, r.path) for r in reports]
+                if self.config.keep_candidates:
+                    reports = extrapolate_store(self.segment.store, jump_dir / "candidates" / f"{method}-l{scale:g}", config, fit)
+                    states = [None] * len(reports)
+                else:
+                    reports, states = extrapolate_states(self.segment.store, config, fit)
+                candidates += [Candidate(method, r.target / length, scale, start + r.target, r.path if w is None else None, w)
+                               for r, w in zip(reports, states)]
         return candidates
 
     def _drift(self) -> float | None:

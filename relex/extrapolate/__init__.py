@@ -3,10 +3,11 @@
 from relex.extrapolate.extrapolate import (
     ExtrapolateConfig,
     TargetReport,
+    extrapolate_states,
     extrapolate_store,
     materialize_step,
     parse_targets,
 )
 from relex.extrapolate.methods import METHODS, Plan, get_method
 
-__all__ = ["ExtrapolateConfig", "METHODS", "Plan", "TargetReport", "extrapolate_store", "get_method", "materialize_step", "parse_targets"]
+__all__ = ["ExtrapolateConfig", "METHODS", "Plan", "TargetReport", "extrapolate_states", "extrapolate_store", "get_method", "materialize_step", "parse_targets"]

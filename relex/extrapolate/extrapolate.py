@@ -85,6 +85,11 @@ class TargetReport:
     _lost_sq: float = 0.0
     _pred_sq: float = 0.0
 
+    def finish(self) -> None:
+        """The norms from the sums of squares the pass added up."""
+        self.delta_norm = self._pred_sq**0.5
+        self.rounding_loss = (self._lost_sq / self._pred_sq) ** 0.5 if self._pred_sq > 0 else 0.0
+
 
 def parse_targets(text: str) -> list[int]:
     try:
@@ -304,6 +309,37 @@ def extrapolate_store(store: TrajectoryStore, out_dir: str | Path, config: Extra
     return state.reports
 
 
+def extrapolate_states(store: TrajectoryStore, config: ExtrapolateConfig, fit: FitResult | None = None) -> tuple[list[TargetReport], list[dict[str, torch.Tensor]]]:
+    """What `extrapolate_store` writes, kept in memory instead: one state dict (tensor name -> values, in the output
+    dtype, tied aliases included) per target, from the same pass. For weights that are used once and thrown away,
+    such as the candidates of a `relex accelerate` jump; memory holds every target's whole model at once.
+
+    Example:
+        reports, states = extrapolate_states(store, ExtrapolateConfig(targets=[12], method="relex-anchored"), fit)
+        model.load_state_dict(states[0], strict=False)
+    """
+    state = _Pass(store, Path("<memory>"), config, fit)
+    parts: list[dict[str, list[torch.Tensor]]] = [{} for _ in state.reports]
+
+    def keep(name: str, outputs: list[torch.Tensor]) -> None:
+        for held, values in zip(parts, outputs):
+            held.setdefault(name, []).append(values)
+
+    state.run(keep)
+    infos = dict(state.layout)
+    states = [{name: _joined(blocks, infos[name].shape) for name, blocks in held.items()} for held in parts]
+    for report in state.reports:
+        report.finish()
+    return state.reports, states
+
+
+def _joined(blocks: list[torch.Tensor], shape) -> torch.Tensor:
+    """A tensor's output blocks (row ranges, in order) as one tensor of its shape."""
+    if len(blocks) == 1:
+        return blocks[0].reshape(shape)
+    return torch.cat([b.reshape(-1) for b in blocks]).reshape(shape)
+
+
 def extrapolation_inputs(store: TrajectoryStore, fit: FitResult | None) -> list[Path]:
     """What an extrapolation reads: an output there would be refused by --overwrite."""
     referenced = [store.checkpoint_dir(e) for e in store.entries if e.kind == "checkpoint"]
@@ -324,8 +360,7 @@ def _write_targets(state: _Pass, out_dir: Path, max_shard: int) -> FitResult | N
             state.run(lambda name, outputs: behind.put((name, outputs), sum(v.nbytes for v in outputs)))
         fit_used = fit or (fit_from_grams(state.fit_config, state.plan.steps.tolist(), state.grams, {n: state.infos[n].numel for n in state.grams}, str(store.path)) if state.grams else None)
         for writer, report in zip(writers, state.reports):
-            report.delta_norm = report._pred_sq**0.5
-            report.rounding_loss = (report._lost_sq / report._pred_sq) ** 0.5 if report._pred_sq > 0 else 0.0
+            report.finish()
             writer.finish(state.out_dtype or _config_dtype(state), _provenance(state, report, fit_used))
     except BaseException:
         for writer in writers:
