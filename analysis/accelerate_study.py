@@ -203,6 +203,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--skip-noise", action="store_true")
     parser.add_argument("--only-plain", action="store_true", help="score the plain run and the one-shot baselines only")
+    parser.add_argument("--skip-one-shot", action="store_true", help="no one-shot baselines (a replicate of the loop runs)")
     parser.add_argument("--runs", type=Path, default=RUNS, help="folder holding plain/ and jump-*/ (default runs/accel)")
     parser.add_argument("--config", type=Path, default=PLAIN_CONFIG, help="the plain run's config (task, batch)")
     parser.add_argument("--name", default="accelerate", help="results/NAME.json, NAME-noise.json, figures/NAME.png")
@@ -226,7 +227,8 @@ def main() -> None:
         for run in sorted(p for p in runs_dir.glob("jump-*") if (p / "jumps.jsonl").is_file()):
             runs[run.name] = accelerated_points(run)
     labels = {f"{name}@{step}": checkpoint for name, points in runs.items() for step, checkpoint in sorted(points.items())}
-    labels.update(one_shot(plain_store, runs_dir / "oneshot"))
+    if not args.skip_one_shot:
+        labels.update(one_shot(plain_store, runs_dir / "oneshot"))
     scored = score_all(labels, config.task, args.n, args.batch_size, runs_dir / "eval-cache.json")
     if args.only_plain:
         return

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from relex.errors import RelexError
 from relex.fit.gram import GRAM
 from relex.fit.passes import Consumer, PassBudget, TrajectoryPass, plan_pass, run_pass
 from tests.conftest import STEPS
@@ -68,6 +69,27 @@ def test_the_plan_stays_within_its_budget_and_reuses_its_buffers(store, budget, 
     assert [(name, rows) for name, rows, _ in seen] == [(b.name, b.rows) for b in blocks]  # each planned read, once
     assert {address for _, _, address in seen} <= buffers  # only the planned buffers are read into...
     assert len(seen) > 2 * len(buffers)  # ...each of them many times
+
+
+def test_on_a_gpu_blocks_are_sized_by_its_memory(store, monkeypatch):
+    """Planned for a GPU (no GPU needed to plan), blocks and held trajectories shrink to the device memory the budget
+    allows; the memory free on the device is asked for only when the budget does not say, and a GPU without any
+    free is refused in one line."""
+    reader = store.reader()
+    names = store.trajectory_names
+    cuda = torch.device("cuda")
+    roomy = plan_pass(reader, names, grams=names, sums=names, budget=PassBudget(device_bytes=2**40), device=cuda)
+    cpu = plan_pass(reader, names, grams=names, sums=names, budget=PassBudget())
+    assert roomy.tensors == cpu.tensors and roomy.pinned and not cpu.pinned
+    device_bytes = 4 * 3 * len(STEPS) * 500  # three copies of a block of 500 values at every step
+    tight = plan_pass(reader, names, grams=names, sums=names, budget=PassBudget(device_bytes=device_bytes), device=cuda)
+    assert 3 * 4 * tight.buffer_elements <= device_bytes
+    assert any(len(t.rows) > 1 for t in tight.tensors) and len(tight.blocks()) > len(cpu.blocks())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * device_bytes, 2**40))
+    asked = plan_pass(reader, names, grams=names, sums=names, device=cuda)  # DEVICE_SHARE of the free memory
+    assert asked.tensors == tight.tensors
+    with pytest.raises(RelexError, match="no memory free on cuda"):
+        plan_pass(reader, names, grams=names, budget=PassBudget(device_bytes=0), device=cuda)
 
 
 def test_what_is_held_is_read_once_and_only_the_rest_twice(store, monkeypatch):

@@ -41,15 +41,20 @@ LOG = logging.getLogger(__name__)
 DEFAULT_CHUNK_ELEMENTS = 2**22  # values per (T × rows) block read at once: 16 MiB of float32, about the CPU's L3
 DEFAULT_HOLD_ELEMENTS = 2**27  # 512 MiB of float32: a trajectory up to this size is read once, not twice
 MIN_BUFFERS = 2  # one the caller computes on while a reader fills the other
+DEVICE_SHARE = 0.5  # of a GPU's free memory, the part a pass plans to use unless told (PassBudget.device_bytes)
+# float32 copies of a block a GPU holds at once: the two staging buffers, and W · M with its operands at most
+DEVICE_COPIES_PER_BLOCK = 3
 
 
 @dataclass(frozen=True)
 class PassBudget:
-    """How much a pass may hold: values per block, values held for a second use, read-ahead buffers."""
+    """How much a pass may hold: values per block, values held for a second use, read-ahead buffers, and on a GPU
+    the device memory its blocks may take (None: DEVICE_SHARE of what is free when the pass is planned)."""
 
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
     hold_elements: int = DEFAULT_HOLD_ELEMENTS
     buffer_bytes: int = STREAM_BYTES
+    device_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -113,7 +118,8 @@ def plan_pass(
     """The reads of `names` (in this order) for the Gram of those in `grams` and weighted sums of those in `sums`.
 
     Blocks are at most `chunk_elements` values, and a trajectory read whole for both uses at most `hold_elements`,
-    both capped so that MIN_BUFFERS buffers fit in `buffer_bytes`; as many buffers are made as fit (up to
+    both capped so that MIN_BUFFERS buffers fit in `buffer_bytes` and, on a GPU, so that a block's copies there
+    fit the device memory (`device_block_elements`); as many buffers are made as fit (up to
     STREAM_BUFFERS). A larger trajectory wanted twice keeps its first blocks, up to `hold_elements` values, from
     the Gram's read for the sums (a copy in memory instead of a second read, which for a referenced checkpoint
     also re-reads θ₀ and subtracts it; measured here on SmolLM2 shapes, T = 6, the two cost about the same). A block is never less than one row at every step, so only a row larger than
@@ -121,6 +127,8 @@ def plan_pass(
     """
     steps = max(1, len(reader.steps))
     largest_block = budget.buffer_bytes // (4 * MIN_BUFFERS)
+    if device is not None and device.type == "cuda":
+        largest_block = min(largest_block, device_block_elements(budget, device))
     chunk, hold = min(budget.chunk_elements, largest_block), min(budget.hold_elements, largest_block)
     tensors = []
     for name in names:
@@ -135,6 +143,17 @@ def plan_pass(
     largest = max((steps * reader.block_numel(t.name, r) for t in tensors for r in t.rows), default=0)
     count = max(MIN_BUFFERS, min(STREAM_BUFFERS, budget.buffer_bytes // max(1, 4 * largest)))
     return PassPlan(tuple(tensors), steps, device or torch.device("cpu"), largest, count)
+
+
+def device_block_elements(budget: PassBudget, device: torch.device) -> int:
+    """The largest block, in values, whose copies on the GPU (DEVICE_COPIES_PER_BLOCK of them) fit the budget's
+    device memory; a block is still never less than one row at every step."""
+    free = budget.device_bytes
+    if free is None:
+        free = int(torch.cuda.mem_get_info(device)[0] * DEVICE_SHARE)
+    if free <= 0:
+        raise RelexError(f"no memory free on {device} for a pass; free some, or run with --device cpu")
+    return max(1, free // (4 * DEVICE_COPIES_PER_BLOCK))
 
 
 def _leading_blocks(reader: TrajectoryReader, name: str, rows, elements: int) -> int:
