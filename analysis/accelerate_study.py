@@ -258,19 +258,26 @@ def main() -> None:
            "curves": curves, "reach_plain_final": reach, "equal_budget": equal_budget,
            "decisions": {run: decisions(runs_dir / run) for run in runs if run != "plain"}}
     (results / f"{study}.json").write_text(json.dumps(out, indent=1) + "\n")
-    figure(curves, table, final.accuracy, plain_final, args.figures / f"{study}.png")
+    jumped = {run: {d["step"] for d in out["decisions"][run] if d["jumped"]} for run in out["decisions"]}
+    figure(curves, table, final.accuracy, plain_final, args.figures / f"{study}.png", jumped)
     print(json.dumps({"reach_plain_final": reach, "equal_budget": equal_budget}, indent=1))
     for label, row in table.items():
         d = row["vs_plain_final"]
         print(f"| {label} | {row['accuracy']:.3f} [{row['ci_low']:.3f}, {row['ci_high']:.3f}] | {d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}] |")
 
 
-def figure(curves: dict, table: dict, final_accuracy: float, plain_final: int, path: Path) -> None:
+def figure(curves: dict, table: dict, final_accuracy: float, plain_final: int, path: Path,
+           jumped: dict[str, set[int]] | None = None) -> None:
+    """Held-out accuracy against GRPO steps and rollouts, one curve per run; a star where a run had just jumped."""
     from relex.plot import _pyplot, _save
 
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    colors = {"plain": "tab:blue", "jump-keep": "tab:red", "jump-reset": "tab:orange", "jump-m2": "tab:green"}
+    named = {"plain": "tab:blue", "jump-keep": "tab:red", "jump-reset": "tab:orange", "jump-m2": "tab:green"}
+    spare = iter(c for c in ("tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
+                 if c not in {named[n] for n in curves if n in named})
+    colors = {name: named.get(name) or next(spare) for name in curves}
+    jumped = jumped or {}
     for name, curve in curves.items():
         for ax, key in zip(axes, ("grpo_step", "rollouts")):
             xs = [p[key] for p in curve]
@@ -279,6 +286,9 @@ def figure(curves: dict, table: dict, final_accuracy: float, plain_final: int, p
             highs = [table[f"{name}@{p['grpo_step']}"]["ci_high"] for p in curve]
             ax.plot(xs, ys, "-o", ms=4, color=colors.get(name), label=name)
             ax.fill_between(xs, lows, highs, color=colors.get(name), alpha=0.12)
+            stars = [(x, y) for x, y, p in zip(xs, ys, curve) if p["grpo_step"] in jumped.get(name, ())]
+            if stars:
+                ax.plot(*zip(*stars), "*", ms=11, color=colors.get(name), label=f"{name}: jumped" if key == "grpo_step" else None)
     for ax, label in zip(axes, ("GRPO steps", "rollouts generated")):
         ax.axhline(final_accuracy, ls=":", color="grey", lw=1, label=f"plain final (step {plain_final})")
         ax.set(xlabel=label, ylabel="held-out accuracy (greedy)")
