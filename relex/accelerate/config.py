@@ -2,9 +2,9 @@
 
     accelerate:
       segment_steps: 4            # m: GRPO optimizer steps per segment (a jump decision after each)
-      alphas: [1.5, 2, 3]         # candidate horizons, as multiples of the segment: target = start + α·m
+      alphas: [2, 3, 4]           # candidate horizons, as multiples of the segment: target = start + α·m
       scales: [1.0]               # λ: shrink of the displacement predicted beyond the segment's last step
-      methods: [relex-anchored, relex]   # fitted line from the last real weights, and the regression line itself
+      methods: [relex-anchored]   # the fitted slope carried on from the last real weights (also: relex, two-point)
       rank: 1
       keep: []                    # module types copied from the segment's last step (e.g. ['*norm.weight'])
       validation_size: 64         # problems, disjoint from the train and test problems
@@ -60,15 +60,20 @@ def warning_shorthand(value: Any) -> Any:
 @dataclass
 class AccelerateConfig:
     segment_steps: int = setting(4, "m: GRPO optimizer steps per segment (a jump decision after each)")
+    # the slow-regime study (analysis/README.md, section 5c): with candidates at 1.5-3x by relex-anchored and relex
+    # no jump passed the guard; at 2-4x by relex-anchored alone the run jumped to 4x at its first decision in both
+    # seeds, and every jump of every study run but two was relex-anchored's. Three candidates also cost half the
+    # validation of six and weaken the winner's curse of the pick.
     alphas: list[float] = setting(
         help="candidate horizons as multiples of the segment, each > 1: target = start + α·m",
-        factory=lambda: [1.5, 2.0, 3.0],
+        factory=lambda: [2.0, 3.0, 4.0],
     )
     scales: list[float] = setting(
         help="λ: shrink of the displacement predicted beyond the segment's last step, each > 0", factory=lambda: [1.0]
     )
     methods: list[str] = setting(
-        help="extrapolation methods of the candidates", factory=lambda: ["relex-anchored", "relex"]
+        help="extrapolation methods of the candidates (relex-anchored, relex, two-point, per-param)",
+        factory=lambda: ["relex-anchored"],
     )
     rank: int = setting(1, "directions per tensor of the segment fit")
     keep: list[str] = setting(
