@@ -106,7 +106,13 @@ def process_group() -> Iterator[Ranks]:
     finally:
         signal.signal(signal.SIGTERM, previous)
         if not failed:  # after a failure a peer may be gone: destroying the group then can abort the process
-            dist.destroy_process_group()  # before it has printed its one line
+            # before it has printed its one line. After success, every rank waits for the others first: a rank
+            # that left at once would close its connections while rank 0 still writes the run's summary, and
+            # gloo aborts a process whose peer vanished ("terminate called without an active exception", seen
+            # once in CI on the two-process train test)
+            with contextlib.suppress(RuntimeError):
+                dist.barrier()
+            dist.destroy_process_group()
 
 
 @contextlib.contextmanager
