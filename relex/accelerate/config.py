@@ -61,8 +61,8 @@ def warning_shorthand(value: Any) -> Any:
 class AccelerateConfig:
     segment_steps: int = setting(4, "m: GRPO optimizer steps per segment (a jump decision after each)")
     # the slow-regime study (analysis/README.md, section 5c): with candidates at 1.5-3x by relex-anchored and relex
-    # no jump passed the guard; at 2-4x by relex-anchored alone the run jumped to 4x at its first decision in both
-    # seeds, and every jump of every study run but two was relex-anchored's. Three candidates also cost half the
+    # no jump passed the guard; at 2-4x by relex-anchored alone the runs jumped to 4x in all three seeds, and 7 of
+    # the 9 jumps of sections 5-5b were relex-anchored's. Three candidates also cost half the
     # validation of six and weaken the winner's curse of the pick.
     alphas: list[float] = setting(
         help="candidate horizons as multiples of the segment, each > 1: target = start + α·m",
