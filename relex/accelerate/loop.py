@@ -53,9 +53,9 @@ from relex.accelerate.optimizer import apply_policy
 from relex.accelerate.validation import (
     LiveGenerator,
     load_into,
-    read_folder,
     scoring,
     snapshot,
+    tensors_of,
 )
 from relex.accelerate.warning import Signals, check, fit_signals, reward_slope
 from relex.evaluate import evaluate
@@ -288,7 +288,7 @@ class JumpController(TrainerCallback):
         jumped = decision.jump and (confirmation is None or confirmation.jump)
         chosen = decision.chosen if jumped else None
         if chosen is not None:
-            load_into(self._model, chosen.weights if chosen.weights is not None else read_folder(chosen.path))
+            load_into(self._model, tensors_of(chosen.source))
             apply_policy(self._optimizer, self.config.optimizer, chosen.target - step)
         self.virtual_step = virtual_before + (chosen.target - step if chosen else 0)
         timing.policy = time.perf_counter() - tick

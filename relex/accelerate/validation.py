@@ -116,6 +116,11 @@ def read_folder(folder: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def tensors_of(source: str | Path | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors of weights given as a Hugging Face folder (read) or already in memory (as they are)."""
+    return read_folder(source) if isinstance(source, (str, Path)) else source
+
+
 def check_complete(model, state: dict[str, torch.Tensor], where: str) -> None:
     """Every parameter of the model must be in `state` (tied aliases may be absent), with its shape."""
     for name, param in model.named_parameters():
@@ -132,7 +137,7 @@ def scoring(model, generator: LiveGenerator, states: dict[str, object], restore:
         @contextmanager
         def opened():
             source = states[name]
-            weights = read_folder(source) if isinstance(source, (str, Path)) else source
+            weights = tensors_of(source)
             if weights is not restore:
                 check_complete(model, weights, str(source) if isinstance(source, (str, Path)) else name)
             load_into(model, weights)

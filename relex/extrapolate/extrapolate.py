@@ -312,7 +312,8 @@ def extrapolate_store(store: TrajectoryStore, out_dir: str | Path, config: Extra
 def extrapolate_states(store: TrajectoryStore, config: ExtrapolateConfig, fit: FitResult | None = None) -> tuple[list[TargetReport], list[dict[str, torch.Tensor]]]:
     """What `extrapolate_store` writes, kept in memory instead: one state dict (tensor name -> values, in the output
     dtype, tied aliases included) per target, from the same pass. For weights that are used once and thrown away,
-    such as the candidates of a `relex accelerate` jump; memory holds every target's whole model at once.
+    such as the candidates of a `relex accelerate` jump; memory holds every target's whole model at once. The
+    reports' norms are those `extrapolate_store` reports; their `path` names no folder (nothing is written).
 
     Example:
         reports, states = extrapolate_states(store, ExtrapolateConfig(targets=[12], method="relex-anchored"), fit)
