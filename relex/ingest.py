@@ -185,15 +185,20 @@ def validate_checkpoint(base: dict[str, TensorInfo], checkpoint: Checkpoint, rea
     return infos
 
 
-def declared_ties(base_dir: Path, infos: dict[str, TensorInfo]) -> dict[str, str]:
+def declared_ties(base_dir: Path, infos: dict[str, TensorInfo], readers: list = ()) -> dict[str, str]:
     """alias -> canonical for the tensors the model's architecture ties (config.json), both stored in the checkpoint.
 
     The model is built from its config on the meta device (no memory, no weights): parameters it shares under
     several names are the ties. A checkpoint that stores only one of the names needs no tie. Without a config
     transformers can build, nothing is tied: each stored tensor then has its own trajectory, which is exact.
+    A tie needs equal values in every checkpoint, so when no two stored tensors are equal in each of `readers`
+    (`equal_tensors`) there is none to find, and the model (transformers' import alone takes seconds) is not built.
     """
     config = read_config(base_dir)
     if not config or not config.get("tie_word_embeddings", True):
+        return {}
+    equal = equal_tensors(readers, infos) if readers else None
+    if equal is not None and not equal:
         return {}
     try:
         import transformers
@@ -210,9 +215,45 @@ def declared_ties(base_dir: Path, infos: dict[str, TensorInfo]) -> dict[str, str
     for names in groups.values():
         stored = [n for n in names if n in infos and infos[n].is_float]
         for alias in stored[1:]:
-            if infos[alias] == infos[stored[0]]:
-                tied[alias] = stored[0]
+            if infos[alias] != infos[stored[0]]:
+                continue
+            if equal is not None and not any({alias, stored[0]} <= same for same in equal):
+                LOG.warning("%s and %s are tied in the config but differ in the base or the last checkpoint; recording both", alias, stored[0])
+                continue
+            tied[alias] = stored[0]
     return tied
+
+
+def equal_tensors(readers: list, infos: dict[str, TensorInfo]) -> list[set[str]]:
+    """Sets of two or more float tensors (same shape and dtype) whose values are equal in each of `readers`.
+
+    Tensors are told apart by their first row's bytes, then by whole values only where those agree, so a trained
+    model's tensors cost one row each to rule out.
+    """
+    groups: dict[TensorInfo, list[str]] = {}
+    for name, info in sorted(infos.items()):
+        if info.is_float:
+            groups.setdefault(info, []).append(name)
+    classes = [names for names in groups.values() if len(names) > 1]
+    for reader in readers:
+        split = []
+        for names in classes:
+            by_row: dict[bytes, list[str]] = {}
+            for name in names:
+                by_row.setdefault(_bytes(reader.read(name, rows=(0, 1))), []).append(name)
+            for same_row in by_row.values():
+                while len(same_row) > 1:
+                    first = reader.read(same_row[0])
+                    equal = [n for n in same_row[1:] if torch.equal(reader.read(n), first)]
+                    if equal:
+                        split.append([same_row[0], *equal])
+                    same_row = [n for n in same_row[1:] if n not in equal]
+        classes = split
+    return [set(names) for names in classes]
+
+
+def _bytes(values: torch.Tensor) -> bytes:
+    return values.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def scan_values(reader: CheckpointReader, checkpoint: Checkpoint, names: list[str]) -> None:
@@ -231,14 +272,14 @@ def drop_broken_ties(reader: CheckpointReader, checkpoint: Checkpoint, tied: dic
             del tied[alias]
 
 
-def checked_readers(checkpoints: list, base_dir: Path, base_infos: dict, verify: bool) -> tuple[list, dict[str, str]]:
+def checked_readers(checkpoints: list, base_dir: Path, base_reader: CheckpointReader, base_infos: dict, verify: bool) -> tuple[list, dict[str, str]]:
     """Each checkpoint opened and checked against the base (names, shapes, dtypes, headers; with `verify` every
     value scanned for NaN/Inf), and the ties the model's config declares that every checkpoint keeps."""
     readers = []
     for checkpoint in checkpoints:
         reader = open_checkpoint(checkpoint.folder)
         readers.append((checkpoint, reader, validate_checkpoint(base_infos, checkpoint, reader)))
-    tied = declared_ties(base_dir, base_infos)
+    tied = declared_ties(base_dir, base_infos, [base_reader, readers[-1][1]] if readers else [base_reader])
     for checkpoint, reader, _ in tqdm(readers, desc="ingest: checking values", unit="step", leave=False, disable=None if verify else True):
         if verify:
             scan_values(reader, checkpoint, sorted(base_infos))
@@ -279,7 +320,7 @@ def ingest(
     with write_lock(out), _store_lock_if_store(out), contextlib.ExitStack() as closing:  # every reader closed at the end
         base_reader = closing.enter_context(CheckpointReader(base_dir))
         base_infos = base_reader.infos()
-        readers, tied = checked_readers(checkpoints, base_dir, base_infos, verify)
+        readers, tied = checked_readers(checkpoints, base_dir, base_reader, base_infos, verify)
         for _, reader, _ in readers:
             closing.enter_context(reader)
         created_by = {

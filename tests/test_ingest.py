@@ -63,6 +63,43 @@ def test_alias_in_file_is_tied_once_and_stays_tied(tmp_path):
     assert not torch.equal(out["lm_head.weight"], load_file(str(base / "model.safetensors"))["lm_head.weight"])
 
 
+@pytest.mark.parametrize("alias_in_file", [False, True])
+def test_the_model_is_built_for_ties_only_where_two_stored_tensors_are_equal(tmp_path, monkeypatch, alias_in_file):
+    import transformers
+
+    built = []
+    from_config = transformers.AutoModelForCausalLM.from_config
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", lambda *a, **k: built.append(1) or from_config(*a, **k))
+    base = make_base(tmp_path / "base", alias_in_file=alias_in_file)
+    write_planted_run(base, tmp_path / "run", STEPS)
+    assert cli("ingest", tmp_path / "run", "--base", base, "--out", tmp_path / "store") == 0
+    assert len(built) == int(alias_in_file)  # without the stored alias no two tensors are equal after training
+    assert len(TrajectoryStore.open(tmp_path / "store").tied) == int(alias_in_file)
+
+
+def test_equal_tensors_are_equal_in_every_reader(tmp_path):
+    from safetensors.torch import save_file
+
+    from relex.ingest import equal_tensors
+
+    torch.manual_seed(0)
+    a = torch.randn(4, 3)
+    first_row_only = a.clone()
+    first_row_only[3, 2] += 1
+    values = {"a": a, "b": a.clone(), "c": first_row_only, "d": torch.randn(4, 3), "e": a.clone(), "v": torch.ones(3),
+              "w": torch.ones(3), "h": a.half(), "i": a.half()}
+    later = {**values, "e": a + 1, "w": torch.full((3,), 2.0)}  # e and w part from the others in the second checkpoint
+    readers = []
+    for folder, tensors in (("one", values), ("two", later)):
+        (tmp_path / folder).mkdir()
+        save_file(tensors, str(tmp_path / folder / "model.safetensors"))
+        readers.append(CheckpointReader(tmp_path / folder))
+    infos = readers[0].infos()
+    assert sorted(map(sorted, equal_tensors(readers[:1], infos))) == [["a", "b", "e"], ["h", "i"], ["v", "w"]]
+    assert sorted(map(sorted, equal_tensors(readers, infos))) == [["a", "b"], ["h", "i"]]
+    assert equal_tensors(readers, {n: i for n, i in infos.items() if n in "cdew"}) == []
+
+
 def test_copy_is_lossless_and_bf16_records_its_error(tmp_path):
     base = make_base(tmp_path / "base", dtype=torch.bfloat16)
     run = tmp_path / "run"
