@@ -154,3 +154,49 @@ def test_sweep_prints_the_horizon_ratio_as_extrapolate_does(tmp_path, monkeypatc
     out = capsys.readouterr().out
     assert "horizon ratio = step / 12, the last observed step" in out
     assert re.search(r"step 18 .*1\.500", out) and re.search(r"step 24 .*2\.000", out)
+
+
+@pytest.mark.parametrize("argv", [["fit", "/nonexistent/store"], ["fit", "--bad-flag"]])
+def test_a_command_leaves_the_garbage_collector_as_it_found_it(argv, monkeypatch):
+    """Off while a command's modules import, on with them frozen while it runs; as before once it returns."""
+    import gc
+
+    import relex.cli
+
+    load, seen = relex.cli._load, []
+
+    def loading(name):
+        seen.append((gc.isenabled(), gc.get_freeze_count()))
+        return load(name)
+
+    monkeypatch.setattr(relex.cli, "_load", loading)
+    assert relex.cli.main(argv) == 2
+    assert seen[0] == (False, 0)  # collecting nothing while the command's modules import
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.disable()
+    try:
+        assert relex.cli.main(argv) == 2
+        assert not gc.isenabled() and gc.get_freeze_count() == 0  # a caller that had it off keeps it off
+    finally:
+        gc.enable()
+
+
+def test_a_command_runs_with_the_collector_on_and_its_imports_frozen(monkeypatch, capsys):
+    import gc
+
+    import relex.cli
+
+    class Probe:
+        @staticmethod
+        def add_arguments(parser):
+            pass
+
+        @staticmethod
+        def run(args):
+            print(gc.isenabled(), gc.get_freeze_count() > 0)
+
+    monkeypatch.setitem(relex.cli.COMMANDS, "probe", "a command that reports the collector's state")
+    monkeypatch.setattr(relex.cli, "_load", lambda name: Probe)
+    assert relex.cli.main(["probe"]) == 0
+    assert capsys.readouterr().out.split() == ["True", "True"]
+    assert gc.get_freeze_count() == 0

@@ -10,6 +10,8 @@ works before or after the subcommand.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import importlib
 import logging
 import os
@@ -99,6 +101,28 @@ def error_line(text: str) -> None:
     sys.stderr.flush()
 
 
+@contextlib.contextmanager
+def collector_for_one_command():
+    """Python's cyclic garbage collector around one command: off while the command's modules are imported (torch
+    and the rest set off some 450 collections, 0.3 s, with next to nothing to collect), then on again with what was
+    imported frozen (`imported()`), so that the full collections a pass's allocations trigger do not walk torch's
+    object graph each time (0.4 s of CPU in an extrapolate on SmolLM2 shapes); all unfrozen when the command ends."""
+    enabled = gc.isenabled()
+    gc.disable()
+
+    def imported() -> None:
+        gc.freeze()
+        if enabled:
+            gc.enable()
+
+    try:
+        yield imported
+    finally:
+        gc.unfreeze()
+        if enabled:
+            gc.enable()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
@@ -106,18 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help()
         return 0
     try:
-        parser = build_parser(only=command if command in COMMANDS else None)
-        args = parser.parse_args(argv)
-        logging.basicConfig(
-            level=logging.DEBUG if args.verbose else logging.INFO,
-            format="%(levelname)s %(name)s: %(message)s",
-        )
-        logging.captureWarnings(True)  # library deprecation warnings go through the log, and so appear once
-        for handler in logging.getLogger().handlers:
-            if not any(isinstance(f, OnceFilter) for f in handler.filters):
-                handler.addFilter(OnceFilter())
-        quiet_when_piped()
-        result = _load(args.command).run(args)
+        with collector_for_one_command() as imported:
+            return _run_command(argv, command, imported)
     except RelexError as error:
         error_line(f"relex {command or ''}: error: {error}")
         return 2
@@ -130,7 +144,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("relex: interrupted", file=sys.stderr)
         return 130
-    return int(result or 0)
+
+
+def _run_command(argv: list[str], command: str | None, imported) -> int:
+    parser = build_parser(only=command if command in COMMANDS else None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    logging.captureWarnings(True)  # library deprecation warnings go through the log, and so appear once
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, OnceFilter) for f in handler.filters):
+            handler.addFilter(OnceFilter())
+    quiet_when_piped()
+    module = _load(args.command)
+    imported()
+    return int(module.run(args) or 0)
 
 
 if __name__ == "__main__":
