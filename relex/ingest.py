@@ -279,11 +279,13 @@ def checked_readers(checkpoints: list, base_dir: Path, base_reader: CheckpointRe
     for checkpoint in checkpoints:
         reader = open_checkpoint(checkpoint.folder)
         readers.append((checkpoint, reader, validate_checkpoint(base_infos, checkpoint, reader)))
-    tied = declared_ties(base_dir, base_infos, [base_reader, readers[-1][1]] if readers else [base_reader])
+    last = readers[-1][1] if readers else None
+    tied = declared_ties(base_dir, base_infos, [base_reader, last] if last is not None else [base_reader])
     for checkpoint, reader, _ in tqdm(readers, desc="ingest: checking values", unit="step", leave=False, disable=None if verify else True):
         if verify:
             scan_values(reader, checkpoint, sorted(base_infos))
-        drop_broken_ties(reader, checkpoint, tied)
+        if reader is not last:  # a tie declared_ties kept was found equal in the last checkpoint already
+            drop_broken_ties(reader, checkpoint, tied)
     return readers, tied
 
 

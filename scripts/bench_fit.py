@@ -62,6 +62,7 @@ def write_base(workdir: Path, shape: str):
     base = workdir / "base"
     base.mkdir(parents=True)
     config = LlamaConfig(**SHAPES[shape])
+    config.architectures = ["LlamaForCausalLM"]  # as a trained checkpoint's config.json states it
     config.save_pretrained(base)
     with torch.device("meta"):
         names = {n: tuple(p.shape) for n, p in LlamaForCausalLM(config).named_parameters()}
@@ -153,6 +154,9 @@ def phase_ingest(run: str, base: str, store: str, mode: str) -> dict:
     return {"seconds": time.perf_counter() - started}
 
 
+# what each phase's command imports before it starts (a plain read of the files imports nothing)
+PHASE_MODULES = {"read": ("relex.fit", "relex.store"), "extrapolate": ("relex.extrapolate", "relex.fit", "relex.store"),
+                 "ingest": ("relex.ingest",)}
 PHASES = {"read": phase_read, "extrapolate": phase_extrapolate, "read-files": phase_read_files, "ingest": phase_ingest}
 
 
@@ -202,8 +206,17 @@ def main() -> None:
 
 
 def print_phase(kind: str, *rest: str) -> None:
-    """One phase in this process (a child of the benchmark), its result as one JSON line."""
-    result = PHASES[kind](*rest)
+    """One phase in this process (a child of the benchmark), its result as one JSON line; run as the CLI runs a
+    command: relex imported with the garbage collector off, then frozen (relex.cli.collector_for_one_command)."""
+    import importlib
+
+    from relex.cli import collector_for_one_command
+
+    with collector_for_one_command() as imported:
+        for module in PHASE_MODULES.get(kind, ()):
+            importlib.import_module(module)
+        imported()
+        result = PHASES[kind](*rest)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     result.update(peak_rss_gib=peak_rss_gib(), user_s=usage.ru_utime, sys_s=usage.ru_stime)
     print(json.dumps(result))

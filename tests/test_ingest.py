@@ -77,6 +77,27 @@ def test_the_model_is_built_for_ties_only_where_two_stored_tensors_are_equal(tmp
     assert len(TrajectoryStore.open(tmp_path / "store").tied) == int(alias_in_file)
 
 
+def test_tied_tensors_are_read_whole_once_per_checkpoint(tmp_path, monkeypatch):
+    """The tie check reads both tied tensors whole once in the base and in every checkpoint: the last checkpoint's
+    comparison, made to find the ties, is not repeated when every checkpoint's ties are checked."""
+    from collections import Counter
+
+    original, whole = CheckpointReader.read, Counter()
+
+    def counted(self, name, rows=None):
+        if rows is None and name in ("lm_head.weight", "model.embed_tokens.weight"):
+            whole[self.folder, name] += 1
+        return original(self, name, rows)
+
+    base = make_base(tmp_path / "base", alias_in_file=True)
+    write_planted_run(base, tmp_path / "run", STEPS)
+    monkeypatch.setattr(CheckpointReader, "read", counted)
+    assert cli("ingest", tmp_path / "run", "--base", base, "--out", tmp_path / "store") == 0
+    assert len(TrajectoryStore.open(tmp_path / "store").tied) == 1
+    assert len(whole) == 2 * (len(STEPS) + 1), whole  # both names, in the base and each checkpoint
+    assert set(whole.values()) == {1}, whole
+
+
 def test_equal_tensors_are_equal_in_every_reader(tmp_path):
     from safetensors.torch import save_file
 
