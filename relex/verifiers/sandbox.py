@@ -190,14 +190,16 @@ def seccomp_program(machine: str) -> bytes:
 
 @contextlib.contextmanager
 def _seccomp_fd():
+    """A pipe's read end holding the seccomp program. Each descriptor is closed exactly once: jobs run in threads,
+    and a second close of a number another thread has just been given (its report file, say) would close theirs."""
     read, write = os.pipe()
     try:
-        os.write(write, seccomp_program(platform.machine()))
-        os.close(write)
+        try:
+            os.write(write, seccomp_program(platform.machine()))
+        finally:
+            os.close(write)
         yield read
     finally:
-        with contextlib.suppress(OSError):
-            os.close(write)
         os.close(read)
 
 
