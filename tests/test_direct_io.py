@@ -37,6 +37,26 @@ def test_direct_reads_equal_plain_reads_at_any_offset(store, monkeypatch):
             assert torch.equal(direct.read(name, span), plain.read(name, span)), (name, span)
 
 
+def test_a_refused_direct_read_falls_back_to_plain_reads_without_closing_under_other_threads(store, monkeypatch):
+    path = next((store.path / "deltas").iterdir())
+    plain, direct = SafetensorsFile(path), SafetensorsFile(path, direct=True)
+    if not direct.direct:
+        pytest.skip(f"{path.parent}: the file system refuses O_DIRECT")
+    descriptor = direct._direct_fd
+
+    def refused(*args):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(direct, "_read_direct", refused)
+    name = plain.keys()[0]
+    assert torch.equal(direct.read(name), plain.read(name))
+    assert not direct.direct
+    os.fstat(descriptor)  # still open: a thread reading through it is not left with a number reused elsewhere
+    direct.close()
+    with pytest.raises(OSError):
+        os.fstat(descriptor)
+
+
 def test_fit_reads_the_same_values_either_way(store):
     direct = fit_store(store, FitConfig(io="direct", chunk_elements=300))
     cached = fit_store(store, FitConfig(io="cached", chunk_elements=300))

@@ -67,6 +67,7 @@ class SafetensorsFile:
         except OSError as error:
             raise RelexError(f"{self.path}: cannot open ({error.strerror})") from None
         self._direct_fd = -1
+        self._direct_refused = False  # a direct read failed: plain reads from then on (the descriptor stays open)
         if direct and hasattr(os, "O_DIRECT"):
             try:
                 self._direct_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
@@ -77,7 +78,7 @@ class SafetensorsFile:
 
     @property
     def direct(self) -> bool:
-        return self._direct_fd >= 0
+        return self._direct_fd >= 0 and not self._direct_refused
 
     def _fail(self, why: str) -> RelexError:
         return RelexError(f"{self.path}: corrupt or truncated safetensors file ({why})")
@@ -169,13 +170,14 @@ class SafetensorsFile:
         if not nbytes:
             return
         view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-        if self._direct_fd >= 0:
+        if self.direct:
             try:
                 self._read_direct(name, offset, nbytes, view)
                 return
             except OSError:  # the file system took O_DIRECT at open but refuses the read: plain reads from now on
-                os.close(self._direct_fd)
-                self._direct_fd = -1
+                # not closed here: another reader thread may be using the descriptor, and a number closed under it
+                # can be reused for another file at once; `close` closes it
+                self._direct_refused = True
         done = 0
         while done < nbytes:
             got = os.preadv(self._fd, [view[done:]], offset + done)
