@@ -369,3 +369,75 @@ def test_several_processes_are_refused_in_one_line_before_anything_is_written(tm
     err = capsys.readouterr().err.strip()
     assert "relex accelerate runs in one process, not 2" in err and len(err.splitlines()) == 1
     assert not run.exists()
+
+
+def scorer_preferring_rollback():
+    """An injected validation scorer: the rollback candidate scores 1, the current weights and the jumps 0."""
+    calls = []
+
+    def score(model, tokenizer, states, restore):
+        calls.append(list(states))
+        return {name: [float(name.startswith("rollback"))] * 20 for name in states}
+
+    score.calls = calls
+    return score
+
+
+def test_a_rollback_goes_back_to_the_weights_the_segment_started_from(tmp_path, monkeypatch):
+    import relex.accelerate.loop as loop
+
+    policies, apply = [], loop.apply_policy
+    monkeypatch.setattr(loop, "apply_policy", lambda optimizer, policy, steps: policies.append((policy, steps)) or apply(optimizer, policy, steps))
+    scorer = scorer_preferring_rollback()
+    run = accelerate_run(tmp_path, scorer, max_steps=4, rollback=True, optimizer="keep")
+    first, second = read_jumps(run)
+    assert "rollback to step 0" in scorer.calls[0] and len(scorer.calls[0]) == 6  # current, 4 jumps, the way back
+    assert first["jumped"] and first["chosen"]["method"] == "rollback" and first["chosen"]["target"] == 0
+    assert first["reason"].startswith("rollback to step 0 gains +1.000")
+    assert first["virtual_step_before"] == 2 and first["virtual_step_after"] == 0
+    assert second["chosen"]["target"] == 2 and second["virtual_step_after"] == 0  # back to the start of segment 1
+    assert policies == [("reset", -2), ("reset", -2)]  # the moments of the steps undone are dropped, whatever the policy
+    # segment 1 starts from the weights segment 0 started from
+    start, after = (TrajectoryStore.open(run / "segments" / name) for name in ("000", "001"))
+    first_weights = tensors_of_store_step(start, 0)
+    for name, value in tensors_of_store_step(after, 0).items():
+        torch.testing.assert_close(value, first_weights[name], rtol=0, atol=0)
+    from relex.present import jumps_table
+
+    assert [row[1] for row in jumps_table(read_jumps(run)).rows] == ["rollback", "rollback"]
+    summary = json.loads((run / "accelerate-summary.json").read_text())
+    assert summary["rollbacks"] == 2 and summary["virtual_steps"] == 0 and summary["grpo_steps"] == 4  # back at the start
+
+
+def test_a_rollback_is_judged_when_the_warning_stops_the_jump(tmp_path):
+    scorer = scorer_preferring(candidates=False)
+    run = accelerate_run(tmp_path, scorer, rollback=True, warning={"min_reward_slope": 1e9, "reward_window": 2})
+    first = read_jumps(run)[0]
+    assert scorer.calls[0] == ["current", "rollback to step 0"]
+    assert not first["jumped"] and first["reason"].startswith("linearity warning: the reward stopped rising")
+    assert "best candidate (rollback to step 0) gains -1.000" in first["reason"]
+
+
+def test_no_rollback_is_offered_without_jumps_or_unless_asked(tmp_path):
+    for name, overrides in (("plain", {"jump": False, "rollback": True}), ("default", {})):
+        scorer = scorer_preferring(candidates=True)
+        accelerate_run(tmp_path, scorer, name=name, **overrides)
+        assert not any(state.startswith("rollback") for call in scorer.calls for state in call)
+
+
+def test_rollback_must_be_true_or_false():
+    with pytest.raises(RelexError, match="accelerate.rollback: expected true or false, got 'yes'"):
+        AccelerateConfig.from_dict({"rollback": "yes"})
+
+
+def test_resume_across_a_rollback(tmp_path):
+    """The way back is the segment's base folder, which a resumed run reopens: nothing else has to be saved."""
+    scorer = scorer_preferring_rollback()
+    run = accelerate_run(tmp_path, scorer, max_steps=2, rollback=True)
+    accelerate_run(tmp_path, scorer, max_steps=4, rollback=True, resume=True)
+    jumps = read_jumps(run)
+    assert [(j["step"], j["chosen"]["method"], j["chosen"]["target"]) for j in jumps] == [(2, "rollback", 0), (4, "rollback", 2)]
+    start, after = (TrajectoryStore.open(run / "segments" / name) for name in ("000", "001"))
+    first_weights = tensors_of_store_step(start, 0)
+    for name, value in tensors_of_store_step(after, 0).items():
+        torch.testing.assert_close(value, first_weights[name], rtol=0, atol=0)

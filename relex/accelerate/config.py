@@ -13,6 +13,7 @@
       optimizer: reset            # reset (RL-Extra), keep, or rescale (see relex.accelerate.optimizer)
       warning: {enabled: true, reward_window: 8, min_reward_slope: 0.0, min_r2: 0.5, min_explained_variance: 0.5, min_cosine: 0.0}
       jump: true                  # false: the same loop and validation, never jumping (the plain control run)
+      rollback: false             # true: the segment's start weights are one more candidate (a way back)
 
 Every key is checked here, with one-line errors that say how to fix the input; flags of `relex accelerate`
 override the file.
@@ -95,6 +96,10 @@ class AccelerateConfig:
         help="the early warning that linearity is breaking", factory=WarningConfig, parse=warning_shorthand
     )
     jump: bool = setting(True, "jump where the guard allows; false (--no-jump): the same loop and validation, never jumping (the plain control)")
+    rollback: bool = setting(
+        False, "offer the weights the segment started from (the last decision's) as one more candidate, under the same "
+        "guard and confirmation: a way back when training after a jump went wrong (analysis/README.md, 5d)"
+    )
     keep_candidates: bool = setting(
         False, "write every candidate as a checkpoint folder and keep it (default: formed in memory, only scores kept)"
     )
@@ -141,7 +146,7 @@ class AccelerateConfig:
             raise RelexError(f"accelerate.optimizer: unknown policy {self.optimizer!r}; valid: {', '.join(OPTIMIZER_POLICIES)}")
         if not isinstance(self.warning, WarningConfig):
             raise RelexError(f"accelerate.warning: expected a WarningConfig, got {self.warning!r}")
-        for key in ("jump", "keep_candidates"):
+        for key in ("jump", "rollback", "keep_candidates"):
             if not isinstance(getattr(self, key), bool):
                 raise RelexError(f"accelerate.{key}: expected true or false, got {getattr(self, key)!r}")
         if not is_int(self.batch_size) or self.batch_size < 1:

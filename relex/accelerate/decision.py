@@ -19,6 +19,8 @@ from pathlib import Path
 
 from relex.evaluate.metrics import paired_bootstrap_diff
 
+ROLLBACK = "rollback"  # the candidate that goes back to the weights the segment started from
+
 
 @dataclass
 class Candidate:
@@ -43,6 +45,8 @@ class Candidate:
 
     @property
     def name(self) -> str:
+        if self.method == ROLLBACK:
+            return f"{ROLLBACK} to step {self.target}"
         return f"{self.method} α={self.alpha:g} λ={self.scale:g}"
 
     def to_dict(self) -> dict:

@@ -18,6 +18,11 @@ stops at the end of every segment (right after the step is logged, before a chec
    time (the pick itself overstates the gain of the best of several candidates on the problems that picked it);
 5. jumps to it, applies the optimizer policy (relex.accelerate.optimizer), and starts the next segment there.
 
+With `rollback: true` the weights the segment started from (its store's base folder: the last decision's choice)
+are one more candidate, judged by the same guard and confirmation even when the warning stops the jump
+candidates; taking it undoes the segment's GRPO steps and resets the optimizer, whatever the policy. It is the way
+back when training after a jump went wrong (analysis/README.md, section 5d, seed 4).
+
 The run folder:
 
     RUN/config.yaml, RUN/log.jsonl   as `relex train` writes them (GRPO steps only)
@@ -48,7 +53,7 @@ import numpy as np
 from transformers import TrainerCallback
 
 from relex.accelerate.config import AccelerateConfig
-from relex.accelerate.decision import Candidate, Confirmation, Decision, confirm, decide
+from relex.accelerate.decision import ROLLBACK, Candidate, Confirmation, Decision, confirm, decide
 from relex.accelerate.optimizer import apply_policy
 from relex.accelerate.validation import (
     LiveGenerator,
@@ -272,6 +277,8 @@ class JumpController(TrainerCallback):
         jump_dir = self.run_dir / JUMPS / f"{self.segment_index:03d}"
         signals = Signals(reward_slope=reward_slope(_rewards(state), self.config.warning.reward_window))
         candidates = self._prepare(jump_dir, signals, timing, start, length)
+        if self.config.jump and self.config.rollback:  # the segment's start weights: its store's base folder
+            candidates.append(Candidate(ROLLBACK, 0.0, 1.0, start, self.segment.store.base_dir))
         tick = time.perf_counter()
         current = snapshot(self._model)
         scores = self.scorer(self._model, self._tokenizer, {CURRENT: current, **{c.name: c.source for c in candidates}}, current)
@@ -289,7 +296,8 @@ class JumpController(TrainerCallback):
         chosen = decision.chosen if jumped else None
         if chosen is not None:
             load_into(self._model, tensors_of(chosen.source))
-            apply_policy(self._optimizer, self.config.optimizer, chosen.target - step)
+            # going back, the moments belong to the steps undone: they are dropped whatever the policy
+            apply_policy(self._optimizer, "reset" if chosen.method == ROLLBACK else self.config.optimizer, chosen.target - step)
         self.virtual_step = virtual_before + (chosen.target - step if chosen else 0)
         timing.policy = time.perf_counter() - tick
         current_accuracy = float(np.mean(scores[CURRENT]))
@@ -304,7 +312,7 @@ class JumpController(TrainerCallback):
             "confirmation": confirmation.to_dict() if confirmation else None,
             "seconds": {"fit": timing.fit, "candidates": timing.candidates, "validation": timing.validation, "policy": timing.policy},
         }
-        LOG.info("step %d: %s (%s)", step, "jump" if jumped else "kept", reason)
+        LOG.info("step %d: %s (%s)", step, ("rollback" if chosen.method == ROLLBACK else "jump") if chosen else "kept", reason)
         for c in candidates:
             c.weights = None  # the candidates' tensors are not needed after the decision
         self._cleanup(jump_dir)
@@ -342,15 +350,13 @@ class JumpController(TrainerCallback):
                        min_gain=self.config.min_gain, seed=step)
 
     def _reason(self, decision: Decision, confirmation: Confirmation | None, signals: Signals, length: int) -> str:
+        judged = f"{decision.reason}; confirmation: {confirmation.reason}" if confirmation is not None else decision.reason
         if not self.config.jump:
             return "jumps are off (accelerate.jump: false)"
-        if length < 2:
-            return f"the segment has {length} step; a fit needs 2"
-        if signals.raised:
-            return "linearity warning: " + "; ".join(signals.reasons)
-        if confirmation is not None:
-            return f"{decision.reason}; confirmation: {confirmation.reason}"
-        return decision.reason
+        if length < 2 or signals.raised:  # no jump candidates; a rollback, when offered, was judged all the same
+            why = f"the segment has {length} step; a fit needs 2" if length < 2 else "linearity warning: " + "; ".join(signals.reasons)
+            return f"{why}; {judged}" if decision.chosen is not None and decision.chosen.method == ROLLBACK else why
+        return judged
 
     def _record(self, line: dict, timing: Timing) -> None:
         write_jumps(self.run_dir, [*read_jumps(self.run_dir), line])
@@ -411,6 +417,7 @@ class JumpController(TrainerCallback):
             "virtual_steps": self.virtual_step,
             "decisions": len(jumps),
             "jumps": sum(1 for j in jumps if j["jumped"]),
+            "rollbacks": sum(1 for j in jumps if (j["chosen"] or {}).get("method") == ROLLBACK),
             "final_validation_accuracy": jumps[-1]["validation_accuracy_after"] if jumps else None,
             "rollouts": state.global_step * self.rollouts_per_step,
             "validation_generations": sum(

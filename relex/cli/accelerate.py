@@ -13,7 +13,7 @@ from relex.train import load_config
 
 # the `accelerate:` settings that have a flag (the warning section and the validation batch are set in the file)
 LOOP_FLAGS = ["segment_steps", "alphas", "scales", "methods", "keep", "optimizer", "validation_size", "confirm_size",
-              "margin", "min_gain", "jump"]
+              "margin", "min_gain", "jump", "rollback"]
 
 
 def add_arguments(parser) -> None:
