@@ -44,8 +44,12 @@ class Candidate:
         return self.weights if self.weights is not None else self.path
 
     @property
+    def is_rollback(self) -> bool:
+        return self.method == ROLLBACK
+
+    @property
     def name(self) -> str:
-        if self.method == ROLLBACK:
+        if self.is_rollback:
             return f"{ROLLBACK} to step {self.target}"
         return f"{self.method} α={self.alpha:g} λ={self.scale:g}"
 

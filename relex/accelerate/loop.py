@@ -297,7 +297,7 @@ class JumpController(TrainerCallback):
         if chosen is not None:
             load_into(self._model, tensors_of(chosen.source))
             # going back, the moments belong to the steps undone: they are dropped whatever the policy
-            apply_policy(self._optimizer, "reset" if chosen.method == ROLLBACK else self.config.optimizer, chosen.target - step)
+            apply_policy(self._optimizer, "reset" if chosen.is_rollback else self.config.optimizer, chosen.target - step)
         self.virtual_step = virtual_before + (chosen.target - step if chosen else 0)
         timing.policy = time.perf_counter() - tick
         current_accuracy = float(np.mean(scores[CURRENT]))
@@ -312,7 +312,7 @@ class JumpController(TrainerCallback):
             "confirmation": confirmation.to_dict() if confirmation else None,
             "seconds": {"fit": timing.fit, "candidates": timing.candidates, "validation": timing.validation, "policy": timing.policy},
         }
-        LOG.info("step %d: %s (%s)", step, ("rollback" if chosen.method == ROLLBACK else "jump") if chosen else "kept", reason)
+        LOG.info("step %d: %s (%s)", step, ("rollback" if chosen.is_rollback else "jump") if chosen else "kept", reason)
         for c in candidates:
             c.weights = None  # the candidates' tensors are not needed after the decision
         self._cleanup(jump_dir)
@@ -355,7 +355,7 @@ class JumpController(TrainerCallback):
             return "jumps are off (accelerate.jump: false)"
         if length < 2 or signals.raised:  # no jump candidates; a rollback, when offered, was judged all the same
             why = f"the segment has {length} step; a fit needs 2" if length < 2 else "linearity warning: " + "; ".join(signals.reasons)
-            return f"{why}; {judged}" if decision.chosen is not None and decision.chosen.method == ROLLBACK else why
+            return f"{why}; {judged}" if decision.chosen is not None and decision.chosen.is_rollback else why
         return judged
 
     def _record(self, line: dict, timing: Timing) -> None:
