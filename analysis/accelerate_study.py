@@ -189,7 +189,8 @@ def decisions(run: Path) -> list[dict]:
     for line in (run / "jumps.jsonl").read_text().splitlines():
         j = json.loads(line)
         best = max(j["candidates"], key=lambda c: c["accuracy"]) if j["candidates"] else None
-        out.append({"step": j["step"], "jumped": j["jumped"], "reason": j["reason"], "signals": j["signals"],
+        rollback = j["jumped"] and j["chosen"]["method"] == "rollback"
+        out.append({"step": j["step"], "jumped": j["jumped"], "rollback": rollback, "reason": j["reason"], "signals": j["signals"],
                     "validation_before": j["validation_accuracy_before"], "validation_after": j["validation_accuracy_after"],
                     "best_candidate": best and {k: best[k] for k in ("name", "accuracy", "diff", "ci_low", "ci_high")},
                     "seconds": j["seconds"]})
@@ -258,8 +259,9 @@ def main() -> None:
            "curves": curves, "reach_plain_final": reach, "equal_budget": equal_budget,
            "decisions": {run: decisions(runs_dir / run) for run in runs if run != "plain"}}
     (results / f"{study}.json").write_text(json.dumps(out, indent=1) + "\n")
-    jumped = {run: {d["step"] for d in out["decisions"][run] if d["jumped"]} for run in out["decisions"]}
-    figure(curves, table, final.accuracy, plain_final, args.figures / f"{study}.png", jumped)
+    jumped = {run: {d["step"] for d in out["decisions"][run] if d["jumped"] and not d["rollback"]} for run in out["decisions"]}
+    rolled = {run: {d["step"] for d in out["decisions"][run] if d["rollback"]} for run in out["decisions"]}
+    figure(curves, table, final.accuracy, plain_final, args.figures / f"{study}.png", jumped, rolled)
     print(json.dumps({"reach_plain_final": reach, "equal_budget": equal_budget}, indent=1))
     for label, row in table.items():
         d = row["vs_plain_final"]
@@ -267,8 +269,9 @@ def main() -> None:
 
 
 def figure(curves: dict, table: dict, final_accuracy: float, plain_final: int, path: Path,
-           jumped: dict[str, set[int]] | None = None) -> None:
-    """Held-out accuracy against GRPO steps and rollouts, one curve per run; a star where a run had just jumped."""
+           jumped: dict[str, set[int]] | None = None, rolled: dict[str, set[int]] | None = None) -> None:
+    """Held-out accuracy against GRPO steps and rollouts, one curve per run; a star where a run had just jumped, a
+    cross where it had just rolled back to the weights its segment started from."""
     from relex.plot import _pyplot, _save
 
     plt = _pyplot()
@@ -277,7 +280,7 @@ def figure(curves: dict, table: dict, final_accuracy: float, plain_final: int, p
     spare = iter(c for c in ("tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
                  if c not in {named[n] for n in curves if n in named})
     colors = {name: named.get(name) or next(spare) for name in curves}
-    jumped = jumped or {}
+    jumped, rolled = jumped or {}, rolled or {}
     for name, curve in curves.items():
         for ax, key in zip(axes, ("grpo_step", "rollouts")):
             xs = [p[key] for p in curve]
@@ -286,9 +289,11 @@ def figure(curves: dict, table: dict, final_accuracy: float, plain_final: int, p
             highs = [table[f"{name}@{p['grpo_step']}"]["ci_high"] for p in curve]
             ax.plot(xs, ys, "-o", ms=4, color=colors.get(name), label=name)
             ax.fill_between(xs, lows, highs, color=colors.get(name), alpha=0.12)
-            stars = [(x, y) for x, y, p in zip(xs, ys, curve) if p["grpo_step"] in jumped.get(name, ())]
-            if stars:
-                ax.plot(*zip(*stars), "*", ms=11, color=colors.get(name), label=f"{name}: jumped" if key == "grpo_step" else None)
+            for marks, marker, did in ((jumped, "*", "jumped"), (rolled, "X", "rolled back")):
+                points = [(x, y) for x, y, p in zip(xs, ys, curve) if p["grpo_step"] in marks.get(name, ())]
+                if points:
+                    ax.plot(*zip(*points), marker, ms=11 if marker == "*" else 8, color=colors.get(name),
+                            label=f"{name}: {did}" if key == "grpo_step" else None)
     for ax, label in zip(axes, ("GRPO steps", "rollouts generated")):
         ax.axhline(final_accuracy, ls=":", color="grey", lw=1, label=f"plain final (step {plain_final})")
         ax.set(xlabel=label, ylabel="held-out accuracy (greedy)")

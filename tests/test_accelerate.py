@@ -4,6 +4,7 @@ bad input; and the baselines it shares with relex extrapolate (--scale, --keep, 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from relex.accelerate import AccelerateConfig, run_accelerate
-from relex.accelerate.decision import Candidate, confirm, decide
+from relex.accelerate.decision import ROLLBACK, Candidate, confirm, decide
 from relex.accelerate.loop import read_jumps
 from relex.accelerate.optimizer import apply_policy
 from relex.accelerate.validation import read_folder, split_confirmation, validation_split
@@ -29,12 +30,13 @@ TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 
 
 def scorer_preferring(candidates: bool):
-    """An injected validation scorer: every candidate scores 1 and the current weights 0, or the other way round."""
+    """An injected validation scorer: every jump candidate scores 1 and the current weights 0, or the other way round;
+    the rollback candidate (offered by default) scores as the current weights, a tie the guard never takes."""
     calls = []
 
     def score(model, tokenizer, states, restore):
         calls.append(list(states))
-        return {name: [float((name != "current") == candidates)] * 20 for name in states}
+        return {name: [float((name != "current" and not name.startswith("rollback")) == candidates)] * 20 for name in states}
 
     score.calls = calls
     return score
@@ -65,10 +67,11 @@ def test_two_segments_with_a_jump(tmp_path, policy):
     assert [j["step"] for j in jumps] == [2, 3]
     first = jumps[0]
     assert first["jumped"] and first["optimizer"] == policy
-    # 2 methods × 2 horizons, scored with the current weights; a tie between candidates goes to the farthest target
-    assert len(first["candidates"]) == 4 and len(scorer.calls[0]) == 5
+    # 2 methods × 2 horizons and the way back, scored with the current weights; a tie between candidates goes to
+    # the farthest target
+    assert len(first["candidates"]) == 5 and len(scorer.calls[0]) == 6 and scorer.calls[0][-1] == "rollback to step 0"
     assert first["chosen"]["target"] == 4 and first["virtual_step_after"] == 4
-    assert jumps[1]["reason"] == "the segment has 1 step; a fit needs 2"
+    assert jumps[1]["reason"] == "the segment has 1 step; a fit needs 2; best candidate (rollback to step 2) gains +0.000 < +0.010"
     assert set(first["seconds"]) == {"fit", "candidates", "validation", "policy"}
     # the second segment starts from the chosen candidate's weights, and its store says so
     second = TrajectoryStore.open(run / "segments" / "001")
@@ -84,7 +87,7 @@ def test_two_segments_with_a_jump(tmp_path, policy):
 
 
 def test_the_guard_forbids_a_jump_that_scores_worse(tmp_path):
-    run = accelerate_run(tmp_path, scorer_preferring(candidates=False))
+    run = accelerate_run(tmp_path, scorer_preferring(candidates=False), rollback=False)
     first = read_jumps(run)[0]
     assert not first["jumped"] and "gains -1.000" in first["reason"]
     assert first["validation_accuracy_after"] == first["validation_accuracy_before"] == 1.0
@@ -129,7 +132,7 @@ def test_a_picked_candidate_jumps_only_when_fresh_problems_confirm_it(tmp_path, 
         assert first["chosen"] is None and first["virtual_step_after"] == 2
         assert not TrajectoryStore.open(run / "segments" / "001").manifest["created_by"]["origin"]["jump"]
     summary = json.loads((run / "accelerate-summary.json").read_text())
-    assert summary["validation_generations"] == 20 * 5 + 2 * 20 + 20  # pick: 5 states; confirm: 2; last decision: 1
+    assert summary["validation_generations"] == 20 * 6 + 2 * 20 + 2 * 20  # pick: 6 states; confirm: 2; last decision: 2
 
 
 def test_confirm_is_the_guard_on_fresh_problems():
@@ -165,6 +168,7 @@ def test_the_readme_command_runs_with_real_validation(tmp_path):
     assert cli("report", run) == 0
     report = (run / "report.md").read_text()
     assert "## Accelerated training" in report and "| 2 |" in report and (run / "figures" / "jumps.png").is_file()
+    assert re.search(r"3 GRPO steps, \d+ jumps? and \d+ rollbacks? in 2 decisions", report)
 
 
 def test_the_early_warning_stops_the_jump_before_any_candidate_is_written(tmp_path):
@@ -172,7 +176,8 @@ def test_the_early_warning_stops_the_jump_before_any_candidate_is_written(tmp_pa
     run = accelerate_run(tmp_path, scorer, warning={"min_reward_slope": 1e9, "reward_window": 2})
     first = read_jumps(run)[0]
     assert not first["jumped"] and first["reason"].startswith("linearity warning: the reward stopped rising")
-    assert first["candidates"] == [] and scorer.calls[0] == ["current"]
+    assert [c["name"] for c in first["candidates"]] == ["rollback to step 0"]  # the way back is still judged
+    assert scorer.calls[0] == ["current", "rollback to step 0"] and not (run / "jumps" / "000" / "candidates").exists()
     assert first["signals"]["raised"] and first["signals"]["explained_variance"] is not None
 
 
@@ -204,6 +209,33 @@ def test_decide_is_a_paired_non_inferiority_test():
     decision = decide([noisy], current, margin=0.05, min_gain=0.0)
     assert not decision.jump and "may lose" in decision.reason
     assert not decide([better], current, margin=0.05, min_gain=0.2).jump
+
+
+def rollback_candidate(correct, start=4):
+    c = Candidate(ROLLBACK, 0.0, 1.0, start)
+    c.correct, c.accuracy = correct, float(np.mean(correct))
+    return c
+
+
+def test_a_rollback_is_picked_by_the_guard_and_must_lie_above_zero_where_nothing_confirms_it():
+    current = [1.0] * 8 + [0.0] * 56
+    credible = rollback_candidate([1.0] * 15 + [0.0] * 49)  # seven more problems right, none lost
+    taken = decide([credible, candidate(current)], current, margin=0.05, min_gain=0.01, confirmed=False)
+    assert taken.jump and taken.chosen.is_rollback and taken.chosen.ci_low > 0
+    # +3 and −1: a gain of two problems, picked when fresh problems will confirm it, refused when none will
+    noisy = rollback_candidate([0.0] + [1.0] * 7 + [1.0] * 3 + [0.0] * 53)
+    assert decide([noisy], current, margin=0.05, min_gain=0.01).jump
+    refused = decide([noisy], current, margin=0.05, min_gain=0.01, confirmed=False)
+    assert not refused.jump and "reaches zero; a rollback must lie above it" in refused.reason
+    assert decide([candidate(noisy.correct, target=8)], current, margin=0.05, min_gain=0.01, confirmed=False).jump
+
+
+def test_a_rollback_is_confirmed_above_zero_too():
+    current = [1.0] * 8 + [0.0] * 56
+    noisy = [0.0] + [1.0] * 7 + [1.0] * 3 + [0.0] * 53
+    assert confirm(candidate(noisy), noisy, current, margin=0.05, min_gain=0.01).jump
+    refused = confirm(rollback_candidate(noisy), noisy, current, margin=0.05, min_gain=0.01)
+    assert not refused.jump and refused.reason.endswith("a rollback must lie above it on 64 fresh problems")
 
 
 # ---- optimizer policies -----------------------------------------------------------------------------------------------
@@ -406,7 +438,7 @@ def test_a_rollback_goes_back_to_the_weights_the_segment_started_from(tmp_path, 
 
     assert [row[1] for row in jumps_table(read_jumps(run)).rows] == ["rollback", "rollback"]
     summary = json.loads((run / "accelerate-summary.json").read_text())
-    assert summary["rollbacks"] == 2 and summary["virtual_steps"] == 0 and summary["grpo_steps"] == 4  # back at the start
+    assert summary["rollbacks"] == 2 and summary["jumps"] == 0 and summary["virtual_steps"] == 0 and summary["grpo_steps"] == 4  # back at the start
 
 
 def test_a_rollback_is_judged_when_the_warning_stops_the_jump(tmp_path):
@@ -415,11 +447,14 @@ def test_a_rollback_is_judged_when_the_warning_stops_the_jump(tmp_path):
     first = read_jumps(run)[0]
     assert scorer.calls[0] == ["current", "rollback to step 0"]
     assert not first["jumped"] and first["reason"].startswith("linearity warning: the reward stopped rising")
-    assert "best candidate (rollback to step 0) gains -1.000" in first["reason"]
+    assert "best candidate (rollback to step 0) gains +0.000 < +0.010" in first["reason"]
 
 
-def test_no_rollback_is_offered_without_jumps_or_unless_asked(tmp_path):
-    for name, overrides in (("plain", {"jump": False, "rollback": True}), ("default", {})):
+def test_a_rollback_is_offered_by_default_and_not_without_jumps_or_when_switched_off(tmp_path):
+    scorer = scorer_preferring(candidates=True)
+    accelerate_run(tmp_path, scorer, name="default")
+    assert all(call[-1].startswith("rollback to step") for call in scorer.calls)
+    for name, overrides in (("plain", {"jump": False, "rollback": True}), ("off", {"rollback": False})):
         scorer = scorer_preferring(candidates=True)
         accelerate_run(tmp_path, scorer, name=name, **overrides)
         assert not any(state.startswith("rollback") for call in scorer.calls for state in call)

@@ -13,7 +13,7 @@
       optimizer: reset            # reset (RL-Extra), keep, or rescale (see relex.accelerate.optimizer)
       warning: {enabled: true, reward_window: 8, min_reward_slope: 0.0, min_r2: 0.5, min_explained_variance: 0.5, min_cosine: 0.0}
       jump: true                  # false: the same loop and validation, never jumping (the plain control run)
-      rollback: false             # true: the segment's start weights are one more candidate (a way back)
+      rollback: true              # the segment's start weights are one more candidate (a way back); false: none
 
 Every key is checked here, with one-line errors that say how to fix the input; flags of `relex accelerate`
 override the file.
@@ -97,8 +97,8 @@ class AccelerateConfig:
     )
     jump: bool = setting(True, "jump where the guard allows; false (--no-jump): the same loop and validation, never jumping (the plain control)")
     rollback: bool = setting(
-        False, "offer the weights the segment started from (the last decision's) as one more candidate, under the same "
-        "guard and confirmation: a way back when training after a jump went wrong (analysis/README.md, 5d)"
+        True, "offer the weights the segment started from (the last decision's) as one more candidate: picked by the "
+        "same guard, taken only if the confirmation problems put its gain above zero (analysis/README.md, 5e)"
     )
     keep_candidates: bool = setting(
         False, "write every candidate as a checkpoint folder and keep it (default: formed in memory, only scores kept)"

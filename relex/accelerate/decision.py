@@ -10,6 +10,11 @@ larger than `margin` (a non-inferiority test on paired problems). Otherwise the 
 The best of several candidates, judged on the problems that picked it, looks better than it is (the winner's
 curse: its gain is the largest of several noisy gains). `confirm` judges the picked candidate once more, by the
 same rule, on fresh problems that took no part in picking it; only then does the run jump.
+
+A rollback (the weights the segment started from, offered with `rollback: true`) undoes real GRPO steps, which on
+average improve the policy, so "no worse" is not enough for it: it is picked by the same rule, but on the fresh
+confirmation problems its paired interval must lie above zero (a credible loss since the segment started, not a
+tie). Without confirmation problems (confirm_size 0) that test falls on the validation problems instead.
 """
 
 from __future__ import annotations
@@ -75,20 +80,26 @@ def compare(candidates: list[Candidate], current: list[float], seed: int = 0) ->
         candidate.diff, candidate.ci_low, candidate.ci_high = paired_bootstrap_diff(candidate.correct, current, seed=seed)
 
 
-def decide(candidates: list[Candidate], current: list[float], *, margin: float, min_gain: float, seed: int = 0) -> Decision:
-    """The guard: the best candidate if it is credibly no worse than `margin` and gains at least `min_gain`."""
+def decide(candidates: list[Candidate], current: list[float], *, margin: float, min_gain: float, seed: int = 0,
+           confirmed: bool = True) -> Decision:
+    """The guard: the best candidate if it is credibly no worse than `margin` and gains at least `min_gain`.
+    `confirmed`: fresh problems will confirm the pick; if not, a rollback's interval must lie above zero here."""
     if not candidates:
         return Decision(False, None, "no candidate")
     compare(candidates, current, seed)
     best = max(candidates, key=lambda c: (c.accuracy, c.target))
-    jump, verdict = rule(best.diff, best.ci_low, best.ci_high, margin=margin, min_gain=min_gain)
+    jump, verdict = rule(best.diff, best.ci_low, best.ci_high, margin=margin, min_gain=min_gain,
+                         above_zero=best.is_rollback and not confirmed)
     return Decision(jump, best, f"{best.name} {verdict}" if jump else f"best candidate ({best.name}) {verdict}")
 
 
-def rule(diff: float, low: float, high: float, *, margin: float, min_gain: float) -> tuple[bool, str]:
-    """The guard's rule on a paired difference and its 95% interval: (pass?, what it found)."""
+def rule(diff: float, low: float, high: float, *, margin: float, min_gain: float, above_zero: bool = False) -> tuple[bool, str]:
+    """The guard's rule on a paired difference and its 95% interval: (pass?, what it found). `above_zero`: the
+    interval must also lie above zero (a rollback's rule)."""
     if diff < min_gain:
         return False, f"gains {diff:+.3f} < {min_gain:+.3f}"
+    if above_zero and low <= 0:
+        return False, f"gains {diff:+.3f} but its interval [{low:+.3f}, {high:+.3f}] reaches zero; a rollback must lie above it"
     if low < -margin:
         return False, f"may lose up to {-low:.3f} > margin {margin:.3f}"
     return True, f"gains {diff:+.3f} [{low:+.3f}, {high:+.3f}]"
@@ -115,6 +126,6 @@ def confirm(chosen: Candidate, correct: list[float], current: list[float], *, ma
             seed: int = 0) -> Confirmation:
     """The guard's rule once more, on problems that took no part in picking `chosen`."""
     diff, low, high = paired_bootstrap_diff(correct, current, seed=seed)
-    jump, verdict = rule(diff, low, high, margin=margin, min_gain=min_gain)
+    jump, verdict = rule(diff, low, high, margin=margin, min_gain=min_gain, above_zero=chosen.is_rollback)
     return Confirmation(len(current), float(sum(correct) / len(correct)), float(sum(current) / len(current)),
                         diff, low, high, jump, f"{verdict} on {len(current)} fresh problems")

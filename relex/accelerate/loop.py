@@ -18,10 +18,11 @@ stops at the end of every segment (right after the step is logged, before a chec
    time (the pick itself overstates the gain of the best of several candidates on the problems that picked it);
 5. jumps to it, applies the optimizer policy (relex.accelerate.optimizer), and starts the next segment there.
 
-With `rollback: true` the weights the segment started from (its store's base folder: the last decision's choice)
-are one more candidate, judged by the same guard and confirmation even when the warning stops the jump
-candidates; taking it undoes the segment's GRPO steps and resets the optimizer, whatever the policy. It is the way
-back when training after a jump went wrong (analysis/README.md, section 5d, seed 4).
+With `rollback: true` (the default) the weights the segment started from (its store's base folder: the last
+decision's choice) are one more candidate, judged by the same guard even when the warning stops the jump
+candidates, and confirmed only with an interval above zero (relex.accelerate.decision); taking it undoes the
+segment's GRPO steps and resets the optimizer, whatever the policy. It is the way back when training after a jump
+went wrong (analysis/README.md, sections 5d and 5e).
 
 The run folder:
 
@@ -285,7 +286,8 @@ class JumpController(TrainerCallback):
         for c in candidates:
             c.correct = scores[c.name]
             c.accuracy = float(np.mean(c.correct))
-        decision = decide(candidates, scores[CURRENT], margin=self.config.margin, min_gain=self.config.min_gain, seed=step)
+        decision = decide(candidates, scores[CURRENT], margin=self.config.margin, min_gain=self.config.min_gain, seed=step,
+                          confirmed=self.confirmer is not None)
         confirmation = self._confirm(decision, current, step) if decision.jump else None
         timing.validation = time.perf_counter() - tick
         reason = self._reason(decision, confirmation, signals, length)
@@ -416,8 +418,8 @@ class JumpController(TrainerCallback):
             "grpo_steps": state.global_step,
             "virtual_steps": self.virtual_step,
             "decisions": len(jumps),
-            "jumps": sum(1 for j in jumps if j["jumped"]),
-            "rollbacks": sum(1 for j in jumps if (j["chosen"] or {}).get("method") == ROLLBACK),
+            "jumps": sum(1 for j in jumps if j["jumped"] and j["chosen"]["method"] != ROLLBACK),  # forward only
+            "rollbacks": sum(1 for j in jumps if j["jumped"] and j["chosen"]["method"] == ROLLBACK),
             "final_validation_accuracy": jumps[-1]["validation_accuracy_after"] if jumps else None,
             "rollouts": state.global_step * self.rollouts_per_step,
             "validation_generations": sum(
