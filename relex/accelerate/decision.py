@@ -11,7 +11,7 @@ The best of several candidates, judged on the problems that picked it, looks bet
 curse: its gain is the largest of several noisy gains). `confirm` judges the picked candidate once more, by the
 same rule, on fresh problems that took no part in picking it; only then does the run jump.
 
-A rollback (the weights the segment started from, offered with `rollback: true`) undoes real GRPO steps, which on
+A rollback (the weights the segment started from, offered unless `rollback: false`) undoes real GRPO steps, which on
 average improve the policy, so "no worse" is not enough for it: it is picked by the same rule, but on the fresh
 confirmation problems its paired interval must lie above zero (a credible loss since the segment started, not a
 tie). Without confirmation problems (confirm_size 0) that test falls on the validation problems instead.
