@@ -185,12 +185,13 @@ def paired(a: Scored, b: Scored) -> dict:
 
 def decisions(run: Path) -> list[dict]:
     """What each decision saw and did: the segment's noise signals next to the jump it allowed or refused."""
+    from relex.present import decision_kind
+
     out = []
     for line in (run / "jumps.jsonl").read_text().splitlines():
         j = json.loads(line)
         best = max(j["candidates"], key=lambda c: c["accuracy"]) if j["candidates"] else None
-        rollback = j["jumped"] and j["chosen"]["method"] == "rollback"
-        out.append({"step": j["step"], "jumped": j["jumped"], "rollback": rollback, "reason": j["reason"], "signals": j["signals"],
+        out.append({"step": j["step"], "jumped": j["jumped"], "rollback": decision_kind(j) == "rollback", "reason": j["reason"], "signals": j["signals"],
                     "validation_before": j["validation_accuracy_before"], "validation_after": j["validation_accuracy_after"],
                     "best_candidate": best and {k: best[k] for k in ("name", "accuracy", "diff", "ci_low", "ci_high")},
                     "seconds": j["seconds"]})

@@ -238,8 +238,8 @@ def sweep_table(result, method: str, n: int) -> Table:
     return Table(f"validation accuracy ({method}, {n} problems)", columns, rows, notes)
 
 
-def _decision(jump: dict) -> str:
-    """kept, jump, or rollback (a jump back to the weights the segment started from)."""
+def decision_kind(jump: dict) -> str:
+    """What a line of jumps.jsonl did: kept, jump, or rollback (back to the weights the segment started from)."""
     if not jump["jumped"]:
         return "kept"
     return "rollback" if (jump["chosen"] or {}).get("method") == "rollback" else "jump"
@@ -248,7 +248,7 @@ def _decision(jump: dict) -> str:
 def jumps_table(jumps: list[dict], title: str = "") -> Table:
     """The jump decisions of a `relex accelerate` run (`relex.accelerate.loop.read_jumps`): GRPO step, validation
     accuracy of the current weights and after the decision, the step the weights stand for; each reason below."""
-    rows = [[j["step"], _decision(j), j["chosen"]["name"] if j["chosen"] else DASH,
+    rows = [[j["step"], decision_kind(j), j["chosen"]["name"] if j["chosen"] else DASH,
              j["validation_accuracy_before"], j["validation_accuracy_after"], step(j["virtual_step_after"])] for j in jumps]
     columns = ["step", "decision", "candidate", "val. before", "val. after", "as if step"]
     return Table(title, columns, rows, [f"step {j['step']}: {j['reason']}" for j in jumps])

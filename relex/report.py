@@ -126,7 +126,8 @@ def accelerate_section(run: RunLayout, figures: Figures) -> list[str]:
             seconds = summary.get("seconds", {})
             jumps_made, rollbacks = summary.get("jumps"), summary.get("rollbacks", 0)
             lines.append(f"{summary.get('grpo_steps')} GRPO steps, {jumps_made} jump{'' if jumps_made == 1 else 's'} and "
-                         f"{rollbacks} rollback{'' if rollbacks == 1 else 's'} in {summary.get('decisions')} decisions; the final weights stand for step {step(summary.get('virtual_steps'))}. Wall time "
+                         f"{rollbacks} rollback{'' if rollbacks == 1 else 's'} in {summary.get('decisions')} decisions; "
+                         f"the final weights stand for step {step(summary.get('virtual_steps'))}. Wall time "
                          f"{number(seconds.get('wall'), 1)} s: GRPO {number(seconds.get('grpo'), 1)} s, fit {number(seconds.get('fit'), 1)} s, "
                          f"candidates {number(seconds.get('candidates'), 1)} s, validation {number(seconds.get('validation'), 1)} s.")
             lines.append("")

@@ -220,14 +220,14 @@ def rollback_candidate(correct, start=4):
 def test_a_rollback_is_picked_by_the_guard_and_must_lie_above_zero_where_nothing_confirms_it():
     current = [1.0] * 8 + [0.0] * 56
     credible = rollback_candidate([1.0] * 15 + [0.0] * 49)  # seven more problems right, none lost
-    taken = decide([credible, candidate(current)], current, margin=0.05, min_gain=0.01, confirmed=False)
+    taken = decide([credible, candidate(current)], current, margin=0.05, min_gain=0.01, confirmation_follows=False)
     assert taken.jump and taken.chosen.is_rollback and taken.chosen.ci_low > 0
     # +3 and −1: a gain of two problems, picked when fresh problems will confirm it, refused when none will
     noisy = rollback_candidate([0.0] + [1.0] * 7 + [1.0] * 3 + [0.0] * 53)
     assert decide([noisy], current, margin=0.05, min_gain=0.01).jump
-    refused = decide([noisy], current, margin=0.05, min_gain=0.01, confirmed=False)
+    refused = decide([noisy], current, margin=0.05, min_gain=0.01, confirmation_follows=False)
     assert not refused.jump and "reaches zero; a rollback must lie above it" in refused.reason
-    assert decide([candidate(noisy.correct, target=8)], current, margin=0.05, min_gain=0.01, confirmed=False).jump
+    assert decide([candidate(noisy.correct, target=8)], current, margin=0.05, min_gain=0.01, confirmation_follows=False).jump
 
 
 def test_a_rollback_is_confirmed_above_zero_too():

@@ -81,15 +81,16 @@ def compare(candidates: list[Candidate], current: list[float], seed: int = 0) ->
 
 
 def decide(candidates: list[Candidate], current: list[float], *, margin: float, min_gain: float, seed: int = 0,
-           confirmed: bool = True) -> Decision:
+           confirmation_follows: bool = True) -> Decision:
     """The guard: the best candidate if it is credibly no worse than `margin` and gains at least `min_gain`.
-    `confirmed`: fresh problems will confirm the pick; if not, a rollback's interval must lie above zero here."""
+    `confirmation_follows`: fresh problems will judge the pick again (`confirm`); if not, a rollback's interval
+    must lie above zero here."""
     if not candidates:
         return Decision(False, None, "no candidate")
     compare(candidates, current, seed)
     best = max(candidates, key=lambda c: (c.accuracy, c.target))
     jump, verdict = rule(best.diff, best.ci_low, best.ci_high, margin=margin, min_gain=min_gain,
-                         above_zero=best.is_rollback and not confirmed)
+                         above_zero=best.is_rollback and not confirmation_follows)
     return Decision(jump, best, f"{best.name} {verdict}" if jump else f"best candidate ({best.name}) {verdict}")
 
 

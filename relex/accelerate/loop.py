@@ -67,6 +67,7 @@ from relex.accelerate.warning import Signals, check, fit_signals, reward_slope
 from relex.evaluate import evaluate
 from relex.extrapolate import ExtrapolateConfig, extrapolate_states, extrapolate_store
 from relex.fit import FitConfig, fit_store
+from relex.present import decision_kind
 from relex.record import (
     DeltaRecorder,
     RecordTiming,
@@ -287,7 +288,7 @@ class JumpController(TrainerCallback):
             c.correct = scores[c.name]
             c.accuracy = float(np.mean(c.correct))
         decision = decide(candidates, scores[CURRENT], margin=self.config.margin, min_gain=self.config.min_gain, seed=step,
-                          confirmed=self.confirmer is not None)
+                          confirmation_follows=self.confirmer is not None)
         confirmation = self._confirm(decision, current, step) if decision.jump else None
         timing.validation = time.perf_counter() - tick
         reason = self._reason(decision, confirmation, signals, length)
@@ -414,12 +415,13 @@ class JumpController(TrainerCallback):
         lines = read_log(self.run_dir / "log.jsonl")
         wall = time.perf_counter() - self.started
         decisions = sum(j["seconds"][k] for j in jumps for k in ("fit", "candidates", "validation", "policy"))
+        kinds = [decision_kind(j) for j in jumps]
         summary = {
             "grpo_steps": state.global_step,
             "virtual_steps": self.virtual_step,
             "decisions": len(jumps),
-            "jumps": sum(1 for j in jumps if j["jumped"] and j["chosen"]["method"] != ROLLBACK),  # forward only
-            "rollbacks": sum(1 for j in jumps if j["jumped"] and j["chosen"]["method"] == ROLLBACK),
+            "jumps": kinds.count("jump"),  # forward only
+            "rollbacks": kinds.count("rollback"),
             "final_validation_accuracy": jumps[-1]["validation_accuracy_after"] if jumps else None,
             "rollouts": state.global_step * self.rollouts_per_step,
             "validation_generations": sum(
