@@ -129,7 +129,7 @@ def backtest_store(
         for name in names:
             errors.gram(name, grams[name])
         return result
-    reader = store.reader(steps, **store.read_mode(config.io))
+    reader = store.reader(steps, direct=store.reads_direct(config.io))
     device = resolve_device(config.device)
     reads = plan_pass(reader, names, grams=names, budget=PassBudget(chunk_elements=config.chunk_elements), device=device)
     run_pass(reader, reads, [errors], GRAM, desc="backtest: Gram matrices")

@@ -131,7 +131,7 @@ def share_grams(store: TrajectoryStore, config: FitConfig, steps: list[int], nam
     if not names:
         return {}
     started = time.perf_counter()
-    reader = store.reader(steps, **store.read_mode(config.io))
+    reader = store.reader(steps, direct=store.reads_direct(config.io))
     stream = tensor_grams(reader, names, resolve_device(config.device), config.chunk_elements)
     grams = dict(stream)
     values = len(steps) * sum(store.tensors[name].numel for name in names)

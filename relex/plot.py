@@ -177,7 +177,7 @@ def coefficient_series(store, fit, names: list[str]) -> list[CoefficientSeries]:
             LOG.warning("tensor %s: its trajectory is all zero; nothing to plot", name)
         else:
             live.append(name)
-    reader = store.reader(steps, **store.read_mode(fit.config.io))
+    reader = store.reader(steps, direct=store.reads_direct(fit.config.io))
     grams = GramCollector()
     budget = PassBudget(chunk_elements=fit.config.chunk_elements)
     run_pass(reader, plan_pass(reader, live, grams=live, budget=budget, device=resolve_device(fit.config.device)), [grams], GRAM)

@@ -36,7 +36,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple, Sequence
 
-import numpy as np
 import torch
 
 from relex import __version__
@@ -51,7 +50,7 @@ from relex.util import is_int, is_positive_int
 LOG = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
-IO_MODES = ("auto", "direct", "mapped", "cached")
+IO_MODES = ("auto", "direct", "cached")
 STREAM_BUFFERS = 4  # buffers a stream cycles through: one the caller holds, the others the reader thread fills
 STREAM_BYTES = 2**30  # ... as many as fit in this much memory, but at least 2
 # reader threads of a stream: one leaves the other cores to compute on small machines; on larger ones a second
@@ -244,11 +243,10 @@ class TrajectoryStore:
         return sum(f.stat().st_size for f in files if f.is_file())
 
     def reads_direct(self, io: str) -> bool:
-        """Whether passes over this store should bypass the page cache (O_DIRECT), for `io` auto, direct, mapped
-        or cached.
+        """Whether passes over this store should bypass the page cache (O_DIRECT), for `io` auto, direct or cached.
 
         auto: direct when the data is larger than the memory available, where the page cache cannot keep it for
-        the next pass anyway and copying through it only costs CPU; mapped otherwise, so a fit followed by an
+        the next pass anyway and copying through it only costs CPU; cached otherwise, so a fit followed by an
         extrapolation reads the second time from RAM.
         """
         if io not in IO_MODES:
@@ -257,13 +255,6 @@ class TrajectoryStore:
             available = memory_available()
             return available is not None and self.data_bytes() > available
         return io == "direct"
-
-    def read_mode(self, io: str) -> dict[str, bool]:
-        """`reader`'s keywords for I/O mode `io`: direct (O_DIRECT, values copied into buffers); mapped (through the
-        page cache, float32 values read in place from memory-mapped files, others copied); cached (through the
-        page cache, every value copied into buffers by reader threads); auto (direct or mapped, `reads_direct`)."""
-        direct = self.reads_direct(io)
-        return {"direct": direct, "mapped": not direct and io in ("auto", "mapped")}
 
     # ---- appending ----------------------------------------------------------------------------------------------
     def _check_new_step(self, step: int) -> None:
@@ -375,11 +366,10 @@ class TrajectoryStore:
                 self.manifest["base"] = {"path": store_reference(base, self.path), "absolute": str(Path(base).resolve())}
             self._save()
 
-    def reader(self, steps: Sequence[int] | None = None, direct: bool = False, mapped: bool = False) -> "TrajectoryReader":
-        """A reader of `steps` (default all); `direct` reads with O_DIRECT, bypassing the page cache; `mapped`
-        offers float32 values in place (`TrajectoryReader.views`). `read_mode(io)` gives both for an I/O mode."""
+    def reader(self, steps: Sequence[int] | None = None, direct: bool = False) -> "TrajectoryReader":
+        """A reader of `steps` (default all); `direct` reads with O_DIRECT, bypassing the page cache."""
         self.check_complete()
-        return TrajectoryReader(self, list(self.steps if steps is None else steps), direct, mapped and not direct)
+        return TrajectoryReader(self, list(self.steps if steps is None else steps), direct)
 
 
 # ---- the manifest's schema ----------------------------------------------------------------------------------------
@@ -499,11 +489,10 @@ class TrajectoryReader:
     how the reads are planned, is relex.fit.passes's.
     """
 
-    def __init__(self, store: TrajectoryStore, steps: list[int], direct: bool = False, mapped: bool = False):
+    def __init__(self, store: TrajectoryStore, steps: list[int], direct: bool = False):
         self.store = store
         self.steps = steps
         self.direct = direct
-        self.mapped = mapped  # float32 values may be read in place (`views`)
         self.entries = [store.entry(s) for s in steps]
         self.infos = store.tensors
         if not store.base_dir.is_dir():
@@ -572,40 +561,6 @@ class TrajectoryReader:
                 if base_f32 is None:
                     base_f32 = self.base_rows(name, rows).reshape(-1).float()
                 row.sub_(base_f32)
-
-    # ---- in place ---------------------------------------------------------------------------------------------------
-    def mappable(self, name: str) -> bool:
-        """Whether tensor `name` can be read in place (`views`): the reader was made `mapped`, and the tensor is
-        float32 in every step's file (and in the base, for checkpoints referenced in place)."""
-        if not self.mapped or len({entry.kind for entry in self.entries}) > 1:  # θ₀ is taken off every step or none
-            return False
-        sources = [*self._sources, self.base] if self.referenced else self._sources
-        try:
-            return all(hasattr(s, "view") and s.info(name).dtype == torch.float32 for s in sources)
-        except RelexError:  # a missing tensor: the buffered read names it
-            return False
-
-    def views(self, name: str, rows: tuple[int, int] | None = None) -> tuple[list[np.ndarray], np.ndarray | None]:
-        """M restricted to `rows`, in place: one read-only float32 array per step, and θ₀'s values when the steps
-        are checkpoints referenced in place (M = those minus θ₀, which the caller's arithmetic subtracts), else
-        None. Valid while the reader's files are open; `release` gives their pages back once they are used."""
-        expected = self.infos[name].shape
-        rows_out = []
-        for entry, source in zip(self.entries, self._sources):
-            if entry.kind == "checkpoint" and source.info(name).shape != expected:  # as read_into checks
-                raise RelexError(f"tensor {name}: shape {source.info(name).shape} at step {entry.step}, {expected} at base")
-            rows_out.append(source.view(name, rows))
-        return rows_out, (self.base.view(name, rows) if self.referenced else None)
-
-    def release(self, name: str, rows: tuple[int, int] | None = None) -> None:
-        """Unmap the pages `views(name, rows)` touched (they stay in the page cache)."""
-        for source in [*self._sources, self.base] if self.referenced else self._sources:
-            source.release(name, rows)
-
-    def prefetch(self, name: str, rows: tuple[int, int] | None = None) -> None:
-        """Ask the OS to start reading the values of `views(name, rows)` into the page cache (no wait)."""
-        for source in [*self._sources, self.base] if self.referenced else self._sources:
-            source.prefetch(name, rows)
 
     def stream(
         self, blocks: Sequence[Block], device: torch.device | None = None, readers: int | None = None, gram=None,

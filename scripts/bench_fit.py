@@ -5,11 +5,9 @@ Builds (once, in --workdir) a trajectory store with the tensor shapes of a real 
 phase in its own process so that peak RSS is that phase's own:
   1. read: every stored value read once through the store's reader (the I/O floor of any method);
   2. fit + extrapolate: `relex extrapolate` without a saved fit (Gram pass + weighted sum) to two targets.
-Both are measured five ways: from storage with direct I/O (`--io direct`, what a trajectory larger than RAM
-gets by default); from storage through the page cache, after dropping the store's pages, with the values read in
-place (`--io mapped`, what `auto` picks otherwise) and copied into buffers (`--io cached`, the way before); and
-the same two from the page cache (values already in RAM, where the floor is a memory copy and the arithmetic
-shows). The read phase is the reader's buffered read in every mode but direct.
+Both are measured three ways: from storage with direct I/O (`--io direct`, what a trajectory larger than RAM
+gets by default), from storage through the page cache (`--io cached` after dropping the store's pages), and
+from the page cache (values already in RAM, where the floor is a memory copy and the Gram's arithmetic shows).
 Each is repeated; medians, every run, their ratio, CPU time and peak RSS are printed, and whether each mode
 meets the goal on SmolLM2 shapes, T = 20: ratio ≤ 2.0 and peak RSS under 3 GiB while the trajectory is ~11 GB.
 
@@ -20,12 +18,10 @@ checkpoints in verl's layout (`global_step_N/actor/huggingface/`, relex.syntheti
      value scanned for NaN/Inf) for comparison;
   3. fit + extrapolate: `relex extrapolate` to two targets on that store (Gram pass + weighted sum), and the same
      on a store of copied float32 deltas of the same run (`relex ingest --copy`, made once, untimed), against a
-     read of that store's files; each with the values read in place (`--io mapped`, what `auto` picks when the
-     data fits in memory) and copied into buffers (`--io cached`, the way before).
+     read of that store's files.
 All of them from the page cache; then 1, `relex ingest` and 3 on the referenced store again from storage, the
 run's and the base's pages dropped before each phase. The ratios (ingest + fit + extrapolate) / read, both ways,
-referenced / copied extrapolation, copied extrapolation / read and buffers / in place are formed from medians of
-the same run.
+referenced / copied extrapolation and copied extrapolation / read are formed from medians of the same run.
 
 Peak RSS is each phase's own: VmHWM of the phase's process, read by itself at its end. ru_maxrss (RUSAGE_SELF in
 the child, or os.wait4 on it) is not: Linux carries the forking parent's RSS over into it at exec.
@@ -234,10 +230,8 @@ def bench_store(args) -> None:
     size = sum(f.stat().st_size for f in (store_dir / "deltas").iterdir())
     # (how the store is read, whether the page cache is dropped first)
     modes = {
-        "from storage, read in place (--io mapped, the default; page cache dropped first)": ("mapped", True),
-        "from storage, through buffers (--io cached, page cache dropped first)": ("cached", True),
-        "from the page cache, read in place (--io mapped, the default; data already in RAM)": ("mapped", False),
-        "from the page cache, through buffers (--io cached, data already in RAM)": ("cached", False),
+        "from storage, through the page cache (--io cached, page cache dropped first)": ("cached", True),
+        "from the page cache (--io cached, data already in RAM)": ("cached", False),
         "from storage, direct I/O (--io direct: O_DIRECT, page cache bypassed)": ("direct", True),
     }
     if not hasattr(os, "posix_fadvise"):
@@ -245,7 +239,7 @@ def bench_store(args) -> None:
     runs: dict[tuple[str, str], list[dict]] = {(label, k): [] for label in modes for k in ("read", "extrapolate")}
     for _ in range(args.repeats):
         for label, (io, drop) in modes.items():
-            if drop and io != "direct":
+            if drop and io == "cached":
                 # a virtual machine's disk may be cached by its host, invisibly: one untimed read first puts that
                 # cache in the same state for both timed phases
                 run_phase("read", str(store_dir), io)
@@ -281,16 +275,6 @@ def print_mode(label: str, runs: dict[str, list[dict]]) -> None:
           f"peak RSS < {GOAL_RSS_GIB} GiB): {'met' if met else 'not met'}")
 
 
-READ = "read every byte of the run and the base once"
-INGEST = "relex ingest (headers: names, shapes, dtypes, sizes)"
-VERIFY = "relex ingest --verify (every value scanned)"
-FIT = "fit + extrapolate to two targets (read in place)"
-FIT_BUFFERED = "fit + extrapolate, through buffers (--io cached)"
-COPIED = "fit + extrapolate, copied float32 deltas (in place)"
-COPIED_BUFFERED = "fit + extrapolate, copied deltas, through buffers"
-READ_COPIED = "read every byte of the copied store once"
-
-
 def bench_verl(args) -> None:
     """Ingest + fit + extrapolate on a verl-layout run against one read of its files, from the page cache and from
     storage (the run's and the base's pages dropped before each phase)."""
@@ -303,19 +287,17 @@ def bench_verl(args) -> None:
     size = sum(p.stat().st_size for folder in (run, base) for p in folder.rglob("*.safetensors"))
     read = ("read-files", str(run), str(base))
     ingest = ("ingest", str(run), str(base), str(store), "headers")
-    extrapolate = ("extrapolate", str(store), str(out), args.device, "mapped")  # what --io auto picks from RAM
-    buffered = ("extrapolate", str(store), str(out), args.device, "cached")
+    extrapolate = ("extrapolate", str(store), str(out), args.device, "cached")
     in_ram = {
-        READ: read,
-        INGEST: ingest,
-        VERIFY: ("ingest", str(run), str(base), str(store), "verify"),
-        FIT: extrapolate,
-        FIT_BUFFERED: buffered,
-        COPIED: ("extrapolate", str(copied), str(out), args.device, "mapped"),
-        COPIED_BUFFERED: ("extrapolate", str(copied), str(out), args.device, "cached"),
-        READ_COPIED: ("read-files", str(copied)),
+        "read every byte of the run and the base once": read,
+        "relex ingest (headers: names, shapes, dtypes, sizes)": ingest,
+        "relex ingest --verify (every value scanned)": ("ingest", str(run), str(base), str(store), "verify"),
+        "fit + extrapolate to two targets": extrapolate,
+        "fit + extrapolate, store of copied float32 deltas": ("extrapolate", str(copied), str(out), args.device, "cached"),
+        "read every byte of the copied store once": ("read-files", str(copied)),
     }
-    from_storage = {READ: read, INGEST: ingest, FIT: extrapolate, FIT_BUFFERED: buffered}
+    from_storage = {"read every byte of the run and the base once": read, "relex ingest (headers: names, shapes, dtypes, sizes)": ingest,
+                    "fit + extrapolate to two targets": extrapolate}
     storage = hasattr(os, "posix_fadvise")
     runs = {("ram", label): [] for label in in_ram} | ({("storage", label): [] for label in from_storage} if storage else {})
     resident = None
@@ -351,19 +333,14 @@ def bench_verl(args) -> None:
             print(f"  {'':<55} {size / medians[where, label] / 1e9:7.2f} GB/s")
     print("ratios:")
     for where in ("ram", "storage") if storage else ("ram",):
-        for label, how in ((FIT, "in place"), (FIT_BUFFERED, "buffers")):
-            ratio = (medians[where, INGEST] + medians[where, label]) / medians[where, READ]
-            print(f"  (ingest + fit + extrapolate) / read, {'from the page cache' if where == 'ram' else 'from storage':<19} "
-                  f"{how:<8} {ratio:7.2f}   (goal <= 4)")
-        print(f"  fit + extrapolate, buffers / in place, {'from the page cache' if where == 'ram' else 'from storage':<19}       "
-              f"{medians[where, FIT_BUFFERED] / medians[where, FIT]:7.2f}")
-    m = {label: medians["ram", label] for label in in_ram}
-    print(f"  (ingest --verify + fit + extrapolate) / read, page cache           {(m[VERIFY] + m[FIT]) / m[READ]:7.2f}")
-    print(f"  ingest --verify / ingest:                                          {m[VERIFY] / m[INGEST]:7.2f}")
-    print(f"  fit + extrapolate, referenced / copied store, in place:            {m[FIT] / m[COPIED]:7.2f}   (goal: 1)")
-    print(f"  fit + extrapolate, referenced / copied store, buffers:             {m[FIT_BUFFERED] / m[COPIED_BUFFERED]:7.2f}")
-    print(f"  fit + extrapolate / read, copied store, page cache, in place:      {m[COPIED] / m[READ_COPIED]:7.2f}   (goal <= 2.5)")
-    print(f"  fit + extrapolate / read, copied store, page cache, buffers:       {m[COPIED_BUFFERED] / m[READ_COPIED]:7.2f}")
+        read_s, ingest_s, fit_s = (medians[where, label] for label in from_storage)
+        print(f"  (ingest + fit + extrapolate) / read, {'from the page cache' if where == 'ram' else 'from storage':<19} "
+              f"{(ingest_s + fit_s) / read_s:7.2f}   (goal <= 4)")
+    read_s, ingest_s, verify_s, fit_s, copied_s, read_copied_s = (medians["ram", label] for label in in_ram)
+    print(f"  (ingest --verify + fit + extrapolate) / read, page cache  {(verify_s + fit_s) / read_s:7.2f}")
+    print(f"  ingest --verify / ingest:                               {verify_s / ingest_s:7.2f}")
+    print(f"  fit + extrapolate, referenced / copied store:           {fit_s / copied_s:7.2f}   (goal: 1)")
+    print(f"  fit + extrapolate / read, copied store, page cache:     {copied_s / read_copied_s:7.2f}   (goal <= 2.5)")
     if not storage:
         print("this OS has no posix_fadvise: the page cache could not be dropped, so only warm reads were measured")
 

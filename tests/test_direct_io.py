@@ -57,12 +57,11 @@ def test_a_refused_direct_read_falls_back_to_plain_reads_without_closing_under_o
         os.fstat(descriptor)
 
 
-def test_fit_reads_the_same_values_every_way(store):
+def test_fit_reads_the_same_values_either_way(store):
     direct = fit_store(store, FitConfig(io="direct", chunk_elements=300))
-    for io in ("cached", "mapped"):  # through buffers, and in place
-        other = fit_store(store, FitConfig(io=io, chunk_elements=300))
-        for name in store.trajectory_names:
-            np.testing.assert_array_equal(direct.grams[name], other.grams[name])
+    cached = fit_store(store, FitConfig(io="cached", chunk_elements=300))
+    for name in store.trajectory_names:
+        np.testing.assert_array_equal(direct.grams[name], cached.grams[name])
 
 
 def test_auto_reads_direct_only_when_the_store_exceeds_available_memory(store, monkeypatch):
@@ -74,12 +73,8 @@ def test_auto_reads_direct_only_when_the_store_exceeds_available_memory(store, m
     assert not store.reads_direct("auto")
     monkeypatch.setattr(relex.store, "memory_available", lambda: None)
     assert not store.reads_direct("auto")
-    assert store.reads_direct("direct") and not store.reads_direct("cached") and not store.reads_direct("mapped")
-    assert store.read_mode("auto") == {"direct": False, "mapped": True}  # in RAM: values read in place
-    assert store.read_mode("cached") == {"direct": False, "mapped": False}
-    monkeypatch.setattr(relex.store, "memory_available", lambda: size - 1)
-    assert store.read_mode("auto") == {"direct": True, "mapped": False}
-    with pytest.raises(RelexError, match="valid: auto, direct, mapped, cached"):
+    assert store.reads_direct("direct") and not store.reads_direct("cached")
+    with pytest.raises(RelexError, match="valid: auto, direct, cached"):
         store.reads_direct("mmap")
 
 
@@ -87,5 +82,5 @@ def test_cli_io_option(store, tmp_path, capsys):
     assert cli("fit", store.path, "--io", "direct", "--out", tmp_path / "fit") == 0
     assert cli("fit", store.path, "--io", "mmap", "--out", tmp_path / "fit2") == 2
     err = capsys.readouterr().err.strip()
-    assert "fit.io 'mmap': unknown I/O mode; valid: auto, direct, mapped, cached" in err and len(err.splitlines()) == 1
+    assert "fit.io 'mmap': unknown I/O mode; valid: auto, direct, cached" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "fit2").exists()

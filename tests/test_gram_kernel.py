@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from relex.fit import cpu as cpu_module
+from relex.fit import gram as gram_module
 from relex.fit import gram_kernel
 from relex.fit.gram import chunk_gram, cpu_gram
 
@@ -35,7 +35,7 @@ def test_kernel_equals_float64_product(steps, columns):
 
 @pytest.mark.parametrize("threads", [2, 3, 5])
 def test_columns_split_over_threads_give_the_same_gram(monkeypatch, threads):
-    monkeypatch.setattr(cpu_module, "THREAD_COLUMNS", 1000)
+    monkeypatch.setattr(gram_module, "THREAD_COLUMNS", 1000)
     m = np.random.default_rng(threads).standard_normal((20, 12_345), dtype=np.float32)
     assert relative_error(cpu_gram(m, threads), reference(m)) < 1e-6
     assert relative_error(cpu_gram(m, threads), cpu_gram(m, 1)) < 1e-6
@@ -77,7 +77,7 @@ def test_chunk_gram_takes_views_and_other_dtypes():
 def test_without_numba_torch_forms_the_same_gram(monkeypatch):
     m = torch.randn(20, 40_000)
     with_kernel = chunk_gram(m, CPU)
-    monkeypatch.setattr(cpu_module, "kernels", lambda: None)
+    monkeypatch.setattr(gram_module, "_kernel", lambda: None)
     without = chunk_gram(m, CPU)
     assert without.dtype == torch.float64
     assert relative_error(without.numpy(), with_kernel.numpy()) < 1e-5
@@ -90,14 +90,14 @@ def test_a_kernel_that_cannot_compile_falls_back_to_torch(monkeypatch, caplog):
         raise RuntimeError("cannot cache function '_lower': no locator available")
 
     monkeypatch.setattr(gram_kernel, "accumulate", broken)
-    cpu_module.kernels.cache_clear()
+    gram_module._kernel.cache_clear()
     try:
         m = torch.randn(6, 1000)
-        with caplog.at_level("WARNING", logger="relex.fit.cpu"):
+        with caplog.at_level("WARNING", logger="relex.fit.gram"):
             got = chunk_gram(m, CPU)
         assert relative_error(got.numpy(), reference(m.numpy())) < 1e-5
         assert "numba Gram kernel is unavailable" in caplog.text and "no locator" in caplog.text
     finally:
         monkeypatch.undo()
-        cpu_module.kernels.cache_clear()
-    assert cpu_module.kernels() is gram_kernel
+        gram_module._kernel.cache_clear()
+    assert gram_module._kernel() is gram_kernel

@@ -3,20 +3,14 @@ read once for both uses, and what the consumers are told equals a float64 comput
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-import relex.fit.cpu
 from relex.errors import RelexError
 from relex.fit.gram import GRAM
 from relex.fit.passes import Consumer, PassBudget, TrajectoryPass, plan_pass, run_pass
-from relex.io.checkpoint import TensorInfo
-from relex.store import TrajectoryStore
-from relex.synthetic import write_planted_run
-from tests.conftest import STEPS, cli, make_base
+from tests.conftest import STEPS
 
 
 class Recorder(Consumer):
@@ -167,108 +161,3 @@ def test_on_a_gpu_the_same_pass_gives_the_same_results(store):
     for name in names:
         np.testing.assert_allclose(results["cuda"].grams[name], results["cpu"].grams[name], rtol=1e-5, atol=1e-10)
         torch.testing.assert_close(results["cuda"].whole(name), results["cpu"].whole(name), rtol=1e-5, atol=1e-7)
-
-
-# ---- values read in place ---------------------------------------------------------------------------------------------
-@pytest.fixture
-def copied(planted, tmp_path) -> TrajectoryStore:
-    """The planted run ingested as copied float32 deltas."""
-    base, run, _ = planted
-    assert cli("ingest", run, "--base", base, "--out", tmp_path / "copied", "--copy") == 0
-    return TrajectoryStore.open(tmp_path / "copied")
-
-
-def run_both_ways(store: TrajectoryStore, budget: PassBudget, monkeypatch) -> tuple[Recorder, Recorder, list, list]:
-    """The same pass through buffers and in place: (buffered, in place, blocks viewed, blocks released)."""
-    names = store.trajectory_names
-    w = np.random.default_rng(2).normal(size=(3, len(STEPS)))
-    recorders, viewed, released = [], [], []
-    for mapped in (False, True):
-        reader = store.reader(mapped=mapped)
-        plan = plan_pass(reader, names, grams=names, sums=names, budget=budget)
-        assert all(t.mapped == mapped for t in plan.tensors)
-        if mapped:
-            monkeypatch.setattr(reader, "read_into", lambda *a, **k: pytest.fail("a value read in place was copied"))
-            spy(reader, "views", viewed, monkeypatch)
-            spy(reader, "release", released, monkeypatch)
-        recorders.append(Recorder(w))
-        run_pass(reader, plan, [recorders[-1]], GRAM)
-    return recorders[0], recorders[1], viewed, released
-
-
-def spy(reader, method: str, calls: list, monkeypatch) -> None:
-    """Record (name, rows) of every call of `reader.method`, and make it."""
-    real = getattr(reader, method)
-    monkeypatch.setattr(reader, method, lambda name, rows=None: calls.append((name, rows)) or real(name, rows))
-
-
-@pytest.mark.parametrize("budget", BUDGETS)
-@pytest.mark.parametrize("kind", ["referenced", "copied"])
-def test_values_read_in_place_give_the_same_bits_as_buffers(store, copied, kind, budget, monkeypatch):
-    """Checkpoints referenced in place (θ₀ taken off in the kernel) and copied deltas: no value is copied, every
-    page viewed is given back, and Grams and sums equal the buffered pass's to the bit."""
-    store = store if kind == "referenced" else copied
-    buffered, in_place, viewed, released = run_both_ways(store, budget, monkeypatch)
-    assert viewed and set(viewed) <= set(released)
-    for name in store.trajectory_names:
-        np.testing.assert_array_equal(in_place.grams[name], buffered.grams[name])
-        assert torch.equal(in_place.whole(name), buffered.whole(name))
-    reader = store.reader()
-    for name in store.trajectory_names:  # and both equal a float64 computation
-        m = reader.read(name).double()
-        np.testing.assert_allclose(in_place.grams[name], (m @ m.T).numpy(), rtol=1e-5, atol=1e-10)
-
-
-def test_only_float32_values_on_the_cpu_are_read_in_place(tmp_path, store, monkeypatch):
-    names = store.trajectory_names
-    assert not store.reader(mapped=True, direct=True).mapped  # O_DIRECT reads go through buffers
-    plan = plan_pass(store.reader(mapped=True), names, grams=names, budget=PassBudget(device_bytes=2**30), device=torch.device("cuda"))
-    assert not any(t.mapped for t in plan.tensors)  # a GPU's blocks go through pinned buffers
-    monkeypatch.setattr(relex.fit.cpu, "kernels", lambda: None)
-    assert not any(t.mapped for t in plan_pass(store.reader(mapped=True), names, grams=names).tensors)  # no numba
-    monkeypatch.undo()
-    base = make_base(tmp_path / "bf16-base", dtype=torch.bfloat16)
-    write_planted_run(base, tmp_path / "bf16-run", STEPS[:3])
-    assert cli("ingest", tmp_path / "bf16-run", "--base", base, "--out", tmp_path / "bf16") == 0
-    half = TrajectoryStore.open(tmp_path / "bf16")
-    plan = plan_pass(half.reader(mapped=True), half.trajectory_names, grams=half.trajectory_names)
-    assert not any(t.mapped for t in plan.tensors)  # bfloat16 values are converted on the way into a buffer
-
-
-def test_reading_in_place_keeps_the_resident_set_at_about_a_block(tmp_path):
-    """128 MiB of trajectory read in place in 4 MiB blocks: the peak resident set grows by far less than the data."""
-    from safetensors.torch import save_file
-
-    shape, steps = (4096, 1024), 8
-    (tmp_path / "base").mkdir()
-    save_file({"w": torch.zeros(shape)}, str(tmp_path / "base" / "model.safetensors"), metadata={"format": "pt"})
-    big = TrajectoryStore.create(tmp_path / "big", base_dir=tmp_path / "base", tensors={"w": TensorInfo(shape, torch.float32)},
-                                 created_by={"command": "test"})
-    for step in range(1, steps + 1):
-        big.append_deltas(step, lambda name, step=step: torch.full(shape, float(step)))
-    reader = big.reader(mapped=True)
-    plan = plan_pass(reader, ["w"], grams=["w"], sums=["w"], budget=PassBudget(chunk_elements=2**20, hold_elements=0))
-    assert [t.mapped for t in plan.tensors] == [True] and len(plan.tensors[0].rows) == 32
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
-    before = peak_rss_kib()
-    recorder = Recorder(np.ones((1, steps)))
-    run_pass(reader, plan, [recorder], GRAM)
-    grown = (peak_rss_kib() - before) * 1024
-    assert grown < 40 * 2**20, f"peak resident set grew by {grown / 2**20:.0f} MiB for 128 MiB read in place"
-    assert recorder.grams["w"][2, 3] == 3 * 4 * shape[0] * shape[1]
-    assert torch.equal(recorder.whole("w"), torch.full((1, shape[0] * shape[1]), float(sum(range(1, steps + 1)))))
-
-
-def peak_rss_kib() -> int:
-    return int(next(line.split()[1] for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:")))
-
-
-def test_a_file_shortened_after_it_was_opened_fails_in_one_line(copied):
-    reader = copied.reader(mapped=True)
-    names = copied.trajectory_names
-    plan = plan_pass(reader, names, grams=names)  # opens every step's file
-    path = copied.path / copied.entry(STEPS[3]).path
-    with open(path, "r+b") as file:
-        file.truncate(path.stat().st_size - 4)
-    with pytest.raises(RelexError, match=f"{path}: changed since it was opened"):
-        run_pass(reader, plan, [Recorder(None)], GRAM)

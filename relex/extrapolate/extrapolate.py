@@ -143,7 +143,7 @@ class _Pass:
         self.infos, self.tied, self.trajectory = store.tensors, store.tied, set(store.trajectory_names)
         self.kept = kept_tensors(store.trajectory_names, config.keep)
         self.layout = output_layout(self.base.infos(), self.tied, self.out_dtype, store.base_dir)
-        self.reader = store.reader(steps, **store.read_mode(config.fit.io))
+        self.reader = store.reader(steps, direct=store.reads_direct(config.fit.io))
         self.grams: dict[str, np.ndarray] = {}
         self.reports = [self._report(t) for t in config.targets]
         names = [n for n, _ in self.layout if n in self.trajectory and (reads is None or n in reads)]

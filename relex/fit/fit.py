@@ -49,10 +49,8 @@ class FitConfig:
     device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N")
     chunk_elements: int = setting(DEFAULT_CHUNK_ELEMENTS, "values per block read from the store")
     io: str = setting(
-        "auto", "reading the store: direct bypasses the page cache (O_DIRECT), for stores larger than RAM; mapped "
-        "goes through it and reads float32 values in place (memory-mapped, no copy); cached goes through it and "
-        "copies every value into buffers; auto picks direct when the store is larger than the memory available, "
-        "else mapped",
+        "auto", "reading the store: direct bypasses the page cache (O_DIRECT), for stores larger than RAM; cached "
+        "goes through it; auto picks direct when the store is larger than the memory available",
     )
 
     def __post_init__(self) -> None:
@@ -239,7 +237,7 @@ def fit_store(store: TrajectoryStore, config: FitConfig) -> FitResult:
     steps = observed_steps(store, config.observe_until)
     validate(config, steps)
     device = resolve_device(config.device)
-    reader = store.reader(steps, **store.read_mode(config.io))
+    reader = store.reader(steps, direct=store.reads_direct(config.io))
     infos = store.tensors
     names = store.trajectory_names
     grams = dict(tensor_grams(reader, names, device, config.chunk_elements, desc="fit: Gram matrices"))

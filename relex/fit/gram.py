@@ -13,7 +13,10 @@ names the step, at no cost beyond the product itself (`check_finite_gram`).
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Iterator
 
@@ -21,11 +24,15 @@ import numpy as np
 import torch
 
 from relex.errors import RelexError
-from relex.fit import cpu
-from relex.fit.cpu import cpu_gram
 from relex.fit.passes import DEFAULT_CHUNK_ELEMENTS, GramCollector, PassBudget, non_finite_message, plan_pass, run_pass
 
 LOG = logging.getLogger(__name__)
+
+# a block is split across threads only when each gets at least this many columns
+THREAD_COLUMNS = 1 << 16
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
 
 def resolve_device(name: str = "auto") -> torch.device:
     if name == "auto":
@@ -42,16 +49,60 @@ def chunk_gram(chunk: torch.Tensor, device: torch.device) -> torch.Tensor:
 
     On the CPU it uses as many threads as torch would (`torch.get_num_threads()` in the calling thread).
     """
-    if device.type == "cpu" and chunk.device.type == "cpu" and cpu.kernels() is not None:
+    if device.type == "cpu" and chunk.device.type == "cpu" and _kernel() is not None:
         return torch.from_numpy(cpu_gram(chunk.to(torch.float32).contiguous().numpy(), torch.get_num_threads()))
     x = chunk.to(device=device, dtype=torch.float32, non_blocking=True)
     return (x @ x.T).double()
 
 
+def cpu_gram(matrix: np.ndarray, threads: int = 1) -> np.ndarray:
+    """M Mᵀ in float64 for a C-contiguous float32 M (T × n), by `gram_kernel`, its columns split over threads."""
+    kernel = _kernel()
+    steps, n = matrix.shape
+    parts = max(1, min(threads, n // THREAD_COLUMNS))
+    if parts == 1:
+        gram = np.zeros((steps, steps))
+        kernel.accumulate(matrix, gram)
+    else:
+        bounds = [n * i // parts for i in range(parts + 1)]
+        grams = np.zeros((parts, steps, steps))
+        list(_thread_pool().map(lambda i: kernel.accumulate(matrix, grams[i], bounds[i], bounds[i + 1]), range(parts)))
+        gram = grams.sum(axis=0)
+    lower = np.tril(gram)
+    return lower + np.tril(gram, -1).T
+
+
 def prepare(device: torch.device) -> None:
     """Load (or, in a fresh install, compile) the CPU kernel now, so that the first block does not wait for it."""
     if device.type == "cpu":
-        cpu.kernels()  # their trial products compile the kernels or load them from numba's cache
+        _kernel()  # its trial product compiles the kernel or loads it from numba's cache
+
+
+@functools.cache
+def _kernel():
+    """relex.fit.gram_kernel, or None without numba (then torch's matrix multiply forms the Gram).
+
+    Also None, with a warning, when numba is installed but cannot compile or cache the kernel (e.g. no writable
+    cache folder: set NUMBA_CACHE_DIR), so that a fit never fails for want of the faster path.
+    """
+    try:
+        from relex.fit import gram_kernel  # numba sets up its cache here, at import
+
+        gram_kernel.accumulate(np.ones((5, 3), dtype=np.float32), np.zeros((5, 5)))  # compiles, or loads the cache
+    except ImportError:  # numba is not installed
+        return None
+    except Exception as error:  # numba's own errors have no common base class
+        LOG.warning("the numba Gram kernel is unavailable (%s); using torch's matrix product", error)
+        return None
+    return gram_kernel
+
+
+def _thread_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(thread_name_prefix="relex-gram")
+        return _pool
 
 
 def check_finite_gram(name: str, gram: np.ndarray, steps) -> None:

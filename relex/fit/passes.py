@@ -18,21 +18,10 @@ and then, for the weights it asks for (`Consumer.weights`, which may depend on t
 On the CPU a block's Gram is formed by whichever thread would otherwise wait (a reader or the caller); on a GPU
 blocks are copied from the pinned buffers on a side stream into one of two device buffers, so the copy of one
 block runs while the kernels of the one before do (`_Staging`). Either way it is the same code, the same blocks.
-
-Read in place. On the CPU, from a reader made `mapped` (I/O mode auto or mapped), a tensor stored as float32 in
-every step is not copied at all: the kernels (relex.fit.gram_kernel) read each step's values where they lie in the
-page cache, through the files' memory maps (`TrajectoryReader.views`), subtracting θ₀ on the way for checkpoints
-referenced in place, with the columns of a block split over the caller's threads. A copy into a buffer costs about
-as much as the Gram itself, so this is most of a pass's CPU time saved. Its pages are given back after each block
-(a trajectory within `hold_elements` after both its uses), so the resident set stays at about one block, and the
-next tensor's values are asked for ahead (`prefetch`) so that a cold page cache is read while this one computes.
-The kernels give the same values either way: a tensor read in place and one read into a buffer come out equal
-to the bit.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import math
@@ -45,7 +34,6 @@ import torch
 from tqdm.auto import tqdm
 
 from relex.errors import RelexError
-from relex.fit import cpu
 from relex.store import STREAM_BUFFERS, STREAM_BYTES, Block, TrajectoryReader
 
 LOG = logging.getLogger(__name__)
@@ -79,7 +67,6 @@ class TensorReads:
     gram: bool
     sums: bool
     held_blocks: int = 0
-    mapped: bool = False  # read in place (`TrajectoryReader.views`): no stream blocks, no buffers
 
     @property
     def held(self) -> bool:
@@ -88,8 +75,6 @@ class TensorReads:
 
     def blocks(self, gram_in_reader: bool) -> list[Block]:
         """The stream blocks: a read for the Gram, then a second one for the sums of the blocks not held."""
-        if self.mapped:
-            return []
         reads = []
         if self.gram:
             reads += [Block(self.name, rows, gram=gram_in_reader) for rows in self.rows]
@@ -145,23 +130,17 @@ def plan_pass(
     if device is not None and device.type == "cuda":
         largest_block = min(largest_block, device_block_elements(budget, device))
     chunk, hold = min(budget.chunk_elements, largest_block), min(budget.hold_elements, largest_block)
-    in_place = getattr(reader, "mapped", False) and (device is None or device.type == "cpu") and cpu.kernels() is not None
     tensors = []
     for name in names:
         gram, summed = name in grams, name in sums
         if not (gram or summed):
             continue
-        whole = gram and summed and steps * reader.infos[name].numel <= hold
-        if in_place and reader.mappable(name):  # the same blocks as a buffered read (the same bits), pages held
-            rows = (None,) if whole else tuple(reader.row_blocks(name, chunk))  # instead of a copy when whole
-            tensors.append(TensorReads(name, rows, gram, summed, held_blocks=len(rows) if whole else 0, mapped=True))
-            continue
-        if whole:
+        if gram and summed and steps * reader.infos[name].numel <= hold:
             tensors.append(TensorReads(name, (None,), gram, summed, held_blocks=1))
             continue
         rows = tuple(reader.row_blocks(name, chunk))
         tensors.append(TensorReads(name, rows, gram, summed, _leading_blocks(reader, name, rows, hold) if gram and summed else 0))
-    largest = max((steps * reader.block_numel(t.name, r) for t in tensors if not t.mapped for r in t.rows), default=0)
+    largest = max((steps * reader.block_numel(t.name, r) for t in tensors for r in t.rows), default=0)
     count = max(MIN_BUFFERS, min(STREAM_BUFFERS, budget.buffer_bytes // max(1, 4 * largest)))
     return PassPlan(tuple(tensors), steps, device or torch.device("cpu"), largest, count)
 
@@ -240,8 +219,6 @@ class TrajectoryPass:
             work = self._block_gram
         self.buffers = plan.allocate()
         self._blocks = reader.stream(plan.blocks(), work=work, buffers=self.buffers)
-        mapped = [t for t in plan.tensors if t.mapped]
-        self._following = {a.name: b for a, b in zip(mapped, mapped[1:])}  # a tensor read in place -> the next one
         self._staging = _Staging(self.device, plan.buffer_elements)
 
     def _block_gram(self, block: Block, matrix: torch.Tensor) -> torch.Tensor:
@@ -259,9 +236,6 @@ class TrajectoryPass:
 
     def tensor(self, reads: TensorReads, consumers: Sequence[Consumer]) -> None:
         """Take every planned read of one tensor, telling the consumers its Gram and sums."""
-        if reads.mapped:
-            self._in_place(reads, consumers)
-            return
         gram, held = None, []
         if reads.gram:
             gram = self._gram(reads, held)
@@ -313,66 +287,11 @@ class TrajectoryPass:
             return
         w = torch.as_tensor(np.concatenate([w for _, w in wanted]), dtype=torch.float32, device=self.device)
         bounds = np.cumsum([0] + [len(w) for _, w in wanted])
-        on_cpu = self.device.type == "cpu" and cpu.kernels() is not None
         for rows, matrix, staged in blocks:
-            if on_cpu:  # the kernel that sums values read in place, so that both ways give the same bits
-                sums = torch.from_numpy(cpu.rows_weighted_sum(list(matrix.numpy()), None, w.numpy(), torch.get_num_threads()))
-            else:
-                sums = (w @ (staged if staged is not None else self._staging.put(matrix))).cpu()
+            sums = (w @ (staged if staged is not None else self._staging.put(matrix))).cpu()
             check_finite_inputs(reads.name, sums, matrix, self.reader.steps)
             for (consumer, _), a, b in zip(wanted, bounds[:-1], bounds[1:]):
                 consumer.sums(reads.name, rows, sums[a:b])
-
-
-    # ---- read in place ----------------------------------------------------------------------------------------------
-    def _in_place(self, reads: TensorReads, consumers: Sequence[Consumer]) -> None:
-        """A tensor read in place: its Gram and sums from the values where they lie, block by block, each block's
-        pages given back once its last use is done."""
-        name, reader, threads = reads.name, self.reader, torch.get_num_threads()
-        gram = None
-        if reads.gram:
-            total = np.zeros((self.plan.steps, self.plan.steps))
-            for k, rows in enumerate(reads.rows):
-                self._prefetch(reads, k)
-                steps_rows, base = reader.views(name, rows)
-                total += cpu.rows_gram(steps_rows, base, threads)
-                if not reads.held:
-                    reader.release(name, rows)
-            gram = total
-            self.arithmetic.check(name, gram, reader.steps)
-            for consumer in consumers:
-                consumer.gram(name, gram)
-        wanted = [(consumer, consumer.weights(name, gram)) for consumer in consumers] if reads.sums else []
-        wanted = [(consumer, w) for consumer, w in wanted if w is not None]
-        if wanted:
-            w = np.ascontiguousarray(np.concatenate([w for _, w in wanted]), dtype=np.float32)
-            bounds = np.cumsum([0] + [len(w) for _, w in wanted])
-            for k, rows in enumerate(reads.rows):
-                if not reads.gram:  # the first read of these values (the Gram's read asked for them before)
-                    self._prefetch(reads, k)
-                steps_rows, base = reader.views(name, rows)
-                sums = torch.from_numpy(cpu.rows_weighted_sum(steps_rows, base, w, threads))
-                check_finite_inputs(name, sums, [*steps_rows, *([] if base is None else [base])], reader.steps)
-                for (consumer, _), a, b in zip(wanted, bounds[:-1], bounds[1:]):
-                    consumer.sums(name, rows, sums[a:b])
-                reader.release(name, rows)
-        elif reads.held:
-            for rows in reads.rows:
-                reader.release(name, rows)
-        for consumer in consumers:
-            consumer.done(name)
-
-    def _prefetch(self, reads: TensorReads, k: int) -> None:
-        """While block k of `reads` is computed, ask the OS to read the block after it (this tensor's next, or the
-        next tensor's first), so that values coming from storage are read while these compute."""
-        name, rows = reads.name, reads.rows[k + 1] if k + 1 < len(reads.rows) else None
-        if k + 1 >= len(reads.rows):
-            following = self._following.get(reads.name)
-            if following is None:
-                return
-            name, rows = following.name, following.rows[0]
-        with contextlib.suppress(OSError):  # a hint: a file system that refuses it reads on demand
-            self.reader.prefetch(name, rows)
 
 
 class _Staging:
@@ -417,23 +336,15 @@ def non_finite_message(name: str, step: int) -> str:
             "ingest; `relex ingest --verify` checks every value up front)")
 
 
-def check_finite_inputs(name: str, sums: torch.Tensor, matrix, steps) -> None:
+def check_finite_inputs(name: str, sums: torch.Tensor, matrix: torch.Tensor, steps) -> None:
     """Refuse weighted sums made non-finite by a NaN or Inf in the values read, naming the step that holds it.
 
     Passes without a Gram (a saved fit, two-point, observed...) see such values only here. A sum is the cheap
-    test (a NaN or Inf in the sums comes from one in the values, or from an overflow); only then are the values
+    test (a NaN or Inf in the sums comes from one in the values, or from an overflow); only then is `matrix`
     scanned, which names the step, or finds none (an overflow, left to the writer's check of its output).
-    `matrix`: the block (T × n), or its rows read in place, one array per step and then θ₀'s when it is taken off
-    every step (a NaN there is in every step's values, so the first step is named).
     """
     if math.isfinite(float(sums.sum())):
         return
-    if isinstance(matrix, torch.Tensor):
-        bad = (~torch.isfinite(matrix).all(dim=1).cpu()).tolist()
-    else:
-        rows = list(matrix)
-        bad = [not np.isfinite(row).all() for row in rows[: len(steps)]]
-        if len(rows) > len(steps) and not np.isfinite(rows[len(steps)]).all():  # θ₀'s: in every step's values
-            bad = [True] * len(steps)
-    if any(bad):
-        raise RelexError(non_finite_message(name, int(steps[bad.index(True)])))
+    bad = ~torch.isfinite(matrix).all(dim=1).cpu()
+    if bad.any():
+        raise RelexError(non_finite_message(name, int(steps[int(bad.nonzero()[0, 0])])))

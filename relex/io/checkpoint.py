@@ -162,18 +162,6 @@ class CheckpointReader:
         """Fill `out` (contiguous, the stored dtype) with tensor `name` or its rows, without an intermediate copy."""
         self._handle(name).read_into(name, out, rows)
 
-    def view(self, name: str, rows: tuple[int, int] | None = None):
-        """Tensor `name` (or its rows), float32, flat, in place in its file's memory map (SafetensorsFile.view)."""
-        return self._handle(name).view(name, rows)
-
-    def release(self, name: str, rows: tuple[int, int] | None = None) -> None:
-        """Give the pages of a `view` back (SafetensorsFile.release)."""
-        self._handle(name).release(name, rows)
-
-    def prefetch(self, name: str, rows: tuple[int, int] | None = None) -> None:
-        """Start reading tensor `name` (or its rows) into the page cache (SafetensorsFile.prefetch)."""
-        self._handle(name).prefetch(name, rows)
-
     def __enter__(self) -> "CheckpointReader":
         return self
 

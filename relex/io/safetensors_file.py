@@ -1,16 +1,10 @@
-"""Read tensors, or row ranges of them, from a safetensors file: copied into the caller's buffer, or in place.
+"""Read tensors, or row ranges of them, from a safetensors file with positioned reads instead of a memory map.
 
-Two ways to get at the values. `read_into` copies them with positioned reads (`os.preadv`) straight into a buffer
-the caller reuses: memory stays at one block, and each value costs one copy from the page cache (or, with
-`direct`, from storage through O_DIRECT). `view` hands out the float32 values where they lie, in a read-only
-memory map of the file: no copy at all, which is what a pass over a trajectory already in the page cache wants
-(relex.fit.passes). A memory map keeps every page it has touched in the process's resident set until it is
-unmapped, so streaming a trajectory through `safe_open` makes RSS grow to the size of the data; here the caller
-gives each block's pages back with `release` once it is done with them, and RSS stays at about one block.
-
-The header is validated against the file size on open, so a truncated or corrupt file fails at once, naming
-itself; a view checks the size again, so a file shortened since then fails in one line too (one shortened
-while a view is being read is a SIGBUS, as for any memory map).
+A memory-mapped file keeps every page it has touched in the process's resident set until it is unmapped, so
+streaming a whole trajectory through `safe_open` makes RSS grow to the size of the data. Reading with `os.pread`
+straight into a buffer the caller reuses (`read_into`) keeps memory at one block and costs one copy (page cache
+to buffer) per value. The header is validated against the file size on open, so a truncated or corrupt file
+fails at once, naming itself.
 """
 
 from __future__ import annotations
@@ -23,7 +17,6 @@ import struct
 import threading
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from relex.errors import RelexError
@@ -82,8 +75,6 @@ class SafetensorsFile:
                 self._direct_fd = -1
         self.size = os.fstat(self._fd).st_size
         self.header, self.data_start = self._read_header()
-        self._mapping: mmap.mmap | None = None  # made on the first `view`
-        self._map_lock = threading.Lock()
 
     @property
     def direct(self) -> bool:
@@ -194,44 +185,6 @@ class SafetensorsFile:
                 raise self._fail(f"short read of tensor {name}")
             done += got
 
-    def view(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
-        """Tensor `name` (or rows a..b-1), float32, flat, read-only, in place: a view of the file's memory map.
-
-        It stays valid while this file is open; `release` gives its pages back to the page cache once read.
-        """
-        if self.dtype(name) != torch.float32:
-            raise ValueError(f"{self.path}: tensor {name} is {self.dtype(name)}; only float32 values are viewed in place")
-        offset, nbytes, _ = self.span(name, rows)
-        size = os.fstat(self._fd).st_size
-        if size != self.size:
-            raise RelexError(f"{self.path}: changed since it was opened ({self.size} bytes, now {size})")
-        return np.frombuffer(self._map(), dtype=np.float32, count=nbytes // 4, offset=offset)
-
-    def _map(self) -> mmap.mmap:
-        with self._map_lock:
-            if self._mapping is None:
-                if self._fd < 0:
-                    raise ValueError(f"{self.path}: closed")
-                self._mapping = mmap.mmap(self._fd, 0, prot=mmap.PROT_READ)
-            return self._mapping
-
-    def release(self, name: str, rows: tuple[int, int] | None = None) -> None:
-        """Unmap the pages of tensor `name` (or rows a..b-1) from this process (they stay in the page cache, and a
-        view of them reads them again), so that reading a large file in place does not grow the resident set."""
-        mapping = self._mapping
-        if mapping is None:
-            return
-        offset, nbytes, _ = self.span(name, rows)
-        start = offset // mmap.PAGESIZE * mmap.PAGESIZE
-        if nbytes and hasattr(mapping, "madvise"):
-            mapping.madvise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
-
-    def prefetch(self, name: str, rows: tuple[int, int] | None = None) -> None:
-        """Ask the OS to start reading tensor `name` (or its rows) into the page cache, without waiting for it."""
-        offset, nbytes, _ = self.span(name, rows)
-        if nbytes and hasattr(os, "posix_fadvise") and self._fd >= 0:
-            os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
-
     def _read_direct(self, name: str, offset: int, nbytes: int, view: memoryview) -> None:
         """Bytes offset..offset+nbytes into `view`, in aligned pieces through this thread's bounce buffer."""
         bounce = _bounce_buffer(DIRECT_PIECE)
@@ -248,12 +201,6 @@ class SafetensorsFile:
             done += take
 
     def close(self) -> None:
-        if self._mapping is not None:
-            try:
-                self._mapping.close()
-            except BufferError:  # a view is still held somewhere: the map goes when the last view does
-                pass
-            self._mapping = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
