@@ -21,6 +21,7 @@ import argparse
 import json
 from pathlib import Path
 
+from relex.accelerate.config import AccelerateConfig
 from relex.accelerate.decision import ROLLBACK
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -42,8 +43,6 @@ def offers(decisions: list[dict], min_gain: float) -> list[dict]:
 
 
 def min_gain_of(jumps_file: Path) -> float:
-    from relex.accelerate.config import AccelerateConfig
-
     summary = jumps_file.with_name(jumps_file.name.replace("jumps", "summary").replace(".jsonl", ".json"))
     if summary.is_file():
         return json.loads(summary.read_text())["config"]["min_gain"]

@@ -21,6 +21,7 @@ PATIENT = [*TORCHRUN[:3], "--monitor-interval", "3", *TORCHRUN[3:]]
 TRAIN = '''
 import os, sys
 import torch
+import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 from relex import DeltaRecorder
 
@@ -30,7 +31,6 @@ config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hi
 torch.manual_seed(0)
 model = LlamaForCausalLM(config)
 if sys.argv[2] in ("fsdp", "fsdp-unsaved", "fsdp-full-disk"):  # a manual training loop; FSDP2 under torchrun, plain in one process
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from transformers import TrainerControl, TrainerState
     from relex.errors import RelexError
@@ -87,7 +87,6 @@ args = TrainingArguments(
 trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[DeltaRecorder(f"{out}/trajectory", every=1)])
 trainer.train()
 print(f"world size {trainer.args.world_size}", flush=True)
-import torch.distributed as dist
 if dist.is_initialized():  # Trainer leaves the group for the script to end
     dist.barrier()
     dist.destroy_process_group()
