@@ -476,3 +476,18 @@ def test_resume_across_a_rollback(tmp_path):
     first_weights = tensors_of_store_step(start, 0)
     for name, value in tensors_of_store_step(after, 0).items():
         torch.testing.assert_close(value, first_weights[name], rtol=0, atol=0)
+
+
+def test_validation_leaves_the_training_rollouts_as_the_plain_run_draws_them(tmp_path):
+    """A loop whose decisions all keep its weights (--no-jump) trains exactly as `relex train`: the validation
+    generations, which seed torch's generator, must not reset the stream the next GRPO rollouts are sampled from."""
+    assert cli("train", "--config", TINY, "--out", tmp_path / "plain", "--max-steps", "4") == 0
+    assert cli("accelerate", "--config", TINY, "--out", tmp_path / "kept", "--max-steps", "4", "--no-jump", "--no-progress") == 0
+    assert len(read_jumps(tmp_path / "kept")) == 2  # validation ran at steps 2 and 4
+
+    def fingerprints(run):
+        lines = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+        return [(line["step"], line["reward"], line["loss"], line["grad_norm"]) for line in lines]
+
+    plain, kept = fingerprints(tmp_path / "plain"), fingerprints(tmp_path / "kept")
+    assert len(plain) == 4 and kept == plain
