@@ -287,6 +287,20 @@ def test_store_step_is_the_checkpoint_it_recorded(tiny_models, planted_verifiers
     assert later == step and result.checkpoints[1].diff_vs_first["diff"] == 0.0
 
 
+def test_generation_leaves_the_callers_random_stream_as_it_was(tiny_models, planted_verifiers):
+    """Sampling is seeded for reproducible scores, but the caller's torch stream is put back afterwards (inside a
+    training process, relex accelerate's validation must not change the rollouts GRPO draws next)."""
+    import torch
+
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    first = evaluate([str(tiny_models["base"])], PlantedTask(), samples=2, temperature=1.0, max_new_tokens=4, batch_size=2)
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.rand(3)  # a different stream state: the seeded samples must not depend on it
+    again = evaluate([str(tiny_models["base"])], PlantedTask(), samples=2, temperature=1.0, max_new_tokens=4, batch_size=2)
+    assert [r["completion"] for r in first.checkpoints[0].records] == [r["completion"] for r in again.checkpoints[0].records]
+
+
 # ------------------------------------------------------------------------------------------------ configuration
 
 

@@ -62,7 +62,6 @@ from relex.accelerate.validation import (
     scoring,
     snapshot,
     tensors_of,
-    training_randomness_kept,
 )
 from relex.accelerate.warning import Signals, check, fit_signals, reward_slope
 from relex.evaluate import evaluate
@@ -156,7 +155,7 @@ class ValidationScorer:
 
     def __call__(self, model, tokenizer, states: dict[str, object], restore) -> dict[str, list[float]]:
         generator = LiveGenerator(model, tokenizer, batch_size=self.batch_size, max_new_tokens=self.max_new_tokens)
-        with training_randomness_kept(generator.device), scoring(model, generator, states, restore) as factory:
+        with scoring(model, generator, states, restore) as factory:
             result = evaluate(list(states), self.task, n=self.n, seed=self.seed, generator_factory=factory,
                               max_new_tokens=self.max_new_tokens, batch_size=self.batch_size)
         return {r.checkpoint: r.greedy_correct() for r in result.checkpoints}

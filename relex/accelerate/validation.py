@@ -82,27 +82,6 @@ def split_confirmation(task, n: int):
             Task(f"{task.name} (confirmation)", task.verifier, {EVAL: rows[n:]}))
 
 
-@contextmanager
-def training_randomness_kept(device: torch.device):
-    """Validation leaves the trainer's random streams as it found them (torch's, the device's, Python's, numpy's).
-
-    Generation seeds torch's generator for reproducible scores; without this, every decision would reset the
-    stream the next GRPO rollouts are sampled from, so a run whose decisions all kept its weights would still
-    draw other rollouts than the plain run of the same recipe and seed."""
-    import random
-
-    import numpy as np
-
-    python_state, numpy_state = random.getstate(), np.random.get_state()
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
-
-
 def carved_from_train(task) -> bool:
     return task.name.endswith("(validation, from train)")
 

@@ -115,13 +115,17 @@ class TransformersGenerator:
         # longest first: similar lengths share a batch (little padding), and running out of memory shows at once
         order = sorted(range(len(texts)), key=lambda i: -lengths[i])
         results: list[list[Completion]] = [[] for _ in texts]
-        torch.manual_seed(seed)
         batches = _batches(order, max(1, self.batch_size // samples))
         mode = "greedy" if temperature == 0 else f"{samples} samples at T={temperature}"
-        # disable=None: no bar when stderr is not a terminal, so piped logs get no `\r` frames
-        for batch in tqdm(batches, desc=f"generating ({mode})", unit="batch", leave=False, disable=None):
-            for index, completions in zip(batch, self._generate_batch([texts[i] for i in batch], samples, temperature)):
-                results[index] = completions
+        # seeded for reproducible samples, and the caller's random streams put back afterwards: inside a training
+        # process (relex accelerate's validation) a reset stream would change the rollouts GRPO draws next
+        cuda_devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=cuda_devices):
+            torch.manual_seed(seed)
+            # disable=None: no bar when stderr is not a terminal, so piped logs get no `\r` frames
+            for batch in tqdm(batches, desc=f"generating ({mode})", unit="batch", leave=False, disable=None):
+                for index, completions in zip(batch, self._generate_batch([texts[i] for i in batch], samples, temperature)):
+                    results[index] = completions
         return results
 
     def _generation_kwargs(self, samples: int, temperature: float) -> dict:
