@@ -105,9 +105,25 @@ def test_what_is_held_is_read_once_and_only_the_rest_twice(store, monkeypatch):
     for reads in partly:  # ...up to the budget
         kept = sum(len(STEPS) * reader.block_numel(reads.name, rows) for rows in reads.rows[: reads.held_blocks])
         assert kept <= hold < kept + len(STEPS) * reader.block_numel(reads.name, reads.rows[reads.held_blocks])
+    # the kept blocks of every partly held trajectory go into one buffer, the size of the largest such part
+    assert plan.hold_elements == max(len(STEPS) * sum(reader.block_numel(t.name, rows) for rows in t.rows[: t.held_blocks]) for t in partly)
     seen = spy_reads(reader, monkeypatch)
     recorder = Recorder(np.ones((1, len(STEPS))))
-    run_pass(reader, plan, [recorder], GRAM)
+    kept: dict[str, list[torch.Tensor]] = {}  # per tensor: the blocks its sums took from memory, not a second read
+    with TrajectoryPass(reader, plan, GRAM) as engine:
+        real = engine._sums
+
+        def sums(reads, consumers, gram, held):
+            kept[reads.name] = [matrix for _, matrix, _ in held]
+            real(reads, consumers, gram, held)
+
+        monkeypatch.setattr(engine, "_sums", sums)
+        for reads in plan.tensors:
+            engine.tensor(reads, [recorder])
+    assert engine.hold.numel() == plan.hold_elements
+    for reads in partly:  # one buffer serves them all, reused from tensor to tensor
+        assert len(kept[reads.name]) == reads.held_blocks
+        assert {m.untyped_storage().data_ptr() for m in kept[reads.name]} == {engine.hold.untyped_storage().data_ptr()}
     for reads in plan.tensors:
         numel = store.tensors[reads.name].numel
         again = sum(reader.block_numel(reads.name, rows) for rows in reads.rows[reads.held_blocks:]) if not reads.held else 0
