@@ -109,12 +109,12 @@ def test_what_is_held_is_read_once_and_only_the_rest_twice(store, monkeypatch):
     assert plan.hold_elements == max(len(STEPS) * sum(reader.block_numel(t.name, rows) for rows in t.rows[: t.held_blocks]) for t in partly)
     seen = spy_reads(reader, monkeypatch)
     recorder = Recorder(np.ones((1, len(STEPS))))
-    kept: dict[str, list[torch.Tensor]] = {}  # per tensor: the blocks its sums took from memory, not a second read
+    taken: dict[str, list[torch.Tensor]] = {}  # per tensor: the blocks its sums took from memory, not a second read
     with TrajectoryPass(reader, plan, GRAM) as engine:
         real = engine._sums
 
         def sums(reads, consumers, gram, held):
-            kept[reads.name] = [matrix for _, matrix, _ in held]
+            taken[reads.name] = [matrix for _, matrix, _ in held]
             real(reads, consumers, gram, held)
 
         monkeypatch.setattr(engine, "_sums", sums)
@@ -124,8 +124,8 @@ def test_what_is_held_is_read_once_and_only_the_rest_twice(store, monkeypatch):
             engine.tensor(reads, [recorder])
         assert engine.hold is None  # given back after the last partly held tensor
     for reads in partly:  # one buffer serves them all, reused from tensor to tensor
-        assert len(kept[reads.name]) == reads.held_blocks
-        assert {m.untyped_storage().data_ptr() for m in kept[reads.name]} == {hold.untyped_storage().data_ptr()}
+        assert len(taken[reads.name]) == reads.held_blocks
+        assert {m.untyped_storage().data_ptr() for m in taken[reads.name]} == {hold.untyped_storage().data_ptr()}
     for reads in plan.tensors:
         numel = store.tensors[reads.name].numel
         again = sum(reader.block_numel(reads.name, rows) for rows in reads.rows[reads.held_blocks:]) if not reads.held else 0

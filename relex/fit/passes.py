@@ -10,7 +10,8 @@ and methods (extrapolate). Everything else is T × T algebra. So a pass is
 `plan_pass` decides every read up front: blocks of T × rows values (`chunk_elements`); a trajectory that needs
 both its Gram and weighted sums and fits in `hold_elements` is read once, whole, for both, a larger one twice;
 the read-ahead buffers (`buffer_count` of `buffer_elements` floats, pinned host memory when the device is a
-GPU) stay within `buffer_bytes` all together. `run_pass` hands the plan to the store's reader (pure I/O: it reads
+GPU) stay within `buffer_bytes` all together, and the first blocks of a trajectory held only in part are kept in
+one more buffer, reused from tensor to tensor. `run_pass` hands the plan to the store's reader (pure I/O: it reads
 ahead into those buffers) and tells each consumer, tensor by tensor in plan order, the Gram (`Consumer.gram`)
 and then, for the weights it asks for (`Consumer.weights`, which may depend on that Gram), W · M block by block
 (`Consumer.sums`). Several consumers' weights are stacked into one product, so one read serves them all.
@@ -129,8 +130,9 @@ def plan_pass(
     fit the device memory (`device_block_elements`); as many buffers are made as fit (up to
     STREAM_BUFFERS). A larger trajectory wanted twice keeps its first blocks, up to `hold_elements` values, from
     the Gram's read for the sums (a copy in memory instead of a second read, which for a referenced checkpoint
-    also re-reads θ₀ and subtracts it; measured here on SmolLM2 shapes, T = 6, the two cost about the same). A block is never less than one row at every step, so only a row larger than
-    the budget itself can exceed it.
+    also re-reads θ₀ and subtracts it; measured here on SmolLM2 shapes, T = 6, the two cost about the same), in
+    one buffer of the plan's `hold_elements` values that every such trajectory reuses. A block is never less than
+    one row at every step, so only a row larger than the budget itself can exceed it.
     """
     steps = max(1, len(reader.steps))
     largest_block = budget.buffer_bytes // (4 * MIN_BUFFERS)
