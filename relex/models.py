@@ -322,12 +322,23 @@ def make_tiny_llama(
 
 def _seeded_llama(config, seed: int):
     """A LlamaForCausalLM whose initial weights depend only on `seed`, leaving the global RNG untouched."""
-    import torch
     from transformers import LlamaForCausalLM
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with torch_seeded(seed):
         return LlamaForCausalLM(config).eval()
+
+
+@contextlib.contextmanager
+def torch_seeded(seed: int):
+    """torch's generators seeded with `seed` inside the block and put back as they were after it: the CPU's, and
+    every CUDA device's once CUDA is in use (`torch.manual_seed` seeds those too). Reproducible draws that leave the
+    caller's stream alone: inside a training process, a reset stream would change the rollouts GRPO draws next."""
+    import torch
+
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
 
 
 def _copied_tokenizer(folder: Path):

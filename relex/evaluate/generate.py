@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from relex.errors import RelexError
-from relex.models import hub_failure
+from relex.models import hub_failure, torch_seeded
 from relex.registry import Registry
 
 LOG = logging.getLogger(__name__)
@@ -107,7 +107,6 @@ class TransformersGenerator:
     def generate(
         self, prompts: Sequence[Messages], *, samples: int, temperature: float, seed: int
     ) -> list[list[Completion]]:
-        import torch
         from tqdm.auto import tqdm
 
         texts = [self.render(messages) for messages in prompts]
@@ -117,11 +116,7 @@ class TransformersGenerator:
         results: list[list[Completion]] = [[] for _ in texts]
         batches = _batches(order, max(1, self.batch_size // samples))
         mode = "greedy" if temperature == 0 else f"{samples} samples at T={temperature}"
-        # seeded for reproducible samples, and the caller's random streams put back afterwards: inside a training
-        # process (relex accelerate's validation) a reset stream would change the rollouts GRPO draws next
-        cuda_devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-        with torch.random.fork_rng(devices=cuda_devices):
-            torch.manual_seed(seed)
+        with torch_seeded(seed):  # reproducible samples; the caller's stream (relex accelerate's GRPO) put back after
             # disable=None: no bar when stderr is not a terminal, so piped logs get no `\r` frames
             for batch in tqdm(batches, desc=f"generating ({mode})", unit="batch", leave=False, disable=None):
                 for index, completions in zip(batch, self._generate_batch([texts[i] for i in batch], samples, temperature)):
