@@ -2,8 +2,9 @@
 
 Forms M Mᵀ over blocks of T × (block values / T) float32 values, as `relex fit` does, for as many columns as a
 model has parameters (SmolLM2-135M by default), on 1 thread and on all of them, and prints seconds, GFLOP/s
-(counting the full T × T product, 2·T²·n, for both) and the kernel's speed-up. The blocks are made once and
-reused, so the figures are arithmetic, not reading.
+(counting the full T × T product, 2·T²·n, for all) and the speed-ups, for torch and for the kernel with each of
+its tiles (relex.fit.gram_kernel: 4 × 4 where the CPU has AVX-512, 3 × 3 otherwise; the one this CPU runs is
+marked). The blocks are made once and reused, so the figures are arithmetic, not reading.
 
     .venv/bin/python scripts/bench_gram.py [--steps 20] [--parameters 134515008] [--block-values 4194304]
 """
@@ -15,7 +16,8 @@ import time
 
 import torch
 
-from relex.fit.gram import chunk_gram
+from relex.fit import gram_kernel
+from relex.fit.gram import cpu_gram
 
 
 def timed(form, blocks, count: int) -> float:
@@ -38,28 +40,32 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     blocks = [torch.randn(args.steps, columns, generator=generator) for _ in range(8)]
     flops = 2 * args.steps**2 * columns * count
-    cpu = torch.device("cpu")
     reference = blocks[0].double() @ blocks[0].double().T
 
     def with_torch(m):
         return (m @ m.T).double()
 
-    def with_kernel(m):
-        return chunk_gram(m, cpu)
+    def with_kernel(tile):
+        return lambda m: torch.from_numpy(cpu_gram(m.numpy(), torch.get_num_threads(), tile))
 
-    for name, form in (("torch x @ x.T", with_torch), ("relex kernel", with_kernel)):
+    forms = {"torch": with_torch, "kernel 4x4": with_kernel(4), "kernel 3x3": with_kernel(3)}
+    for name, form in forms.items():
         error = ((form(blocks[0]) - reference).abs().max() / reference.abs().max()).item()
         print(f"{name}: max relative error against float64 {error:.1e}")
 
     threads = torch.get_num_threads()
     print(f"T = {args.steps}, {count * columns / 1e6:.1f} M columns in {count} blocks of {columns}; "
-          f"{flops / 1e9:.0f} GFLOP for the full products")
+          f"{flops / 1e9:.0f} GFLOP for the full products; this CPU's tile: "
+          f"{gram_kernel.TILE}x{gram_kernel.TILE}")
     for n in sorted({1, threads}):
         torch.set_num_threads(n)
-        seconds = {name: timed(form, blocks, count) for name, form in (("torch", with_torch), ("kernel", with_kernel))}
+        seconds = {name: timed(form, blocks, count) for name, form in forms.items()}
+        label = f"{n} thread{'s' if n > 1 else ''}"
         for name, s in seconds.items():
-            print(f"  {n} thread{'s' if n > 1 else ''}  {name:6s} {s:6.2f} s  {flops / s / 1e9:6.0f} GFLOP/s")
-        print(f"  {n} thread{'s' if n > 1 else ''}  kernel speed-up: {seconds['torch'] / seconds['kernel']:.2f}x")
+            print(f"  {label}  {name:10s} {s:6.2f} s  {flops / s / 1e9:6.0f} GFLOP/s")
+        print(f"  {label}  speed-up over torch: 4x4 {seconds['torch'] / seconds['kernel 4x4']:.2f}x, "
+              f"3x3 {seconds['torch'] / seconds['kernel 3x3']:.2f}x; 3x3 over 4x4 "
+              f"{seconds['kernel 4x4'] / seconds['kernel 3x3']:.2f}x")
     torch.set_num_threads(threads)
 
 

@@ -20,17 +20,34 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-300))
 
 
-# steps around the 4-row tiles (T mod 4 = 0..3, fewer rows than a tile); columns: none, one, fewer than a
-# vector, and more than one kernel piece with a remainder
-@pytest.mark.parametrize("steps", [1, 2, 3, 4, 5, 7, 8, 20, 21, 23])
-@pytest.mark.parametrize("columns", [0, 1, 15, 2 * gram_kernel.PIECE + 37])
-def test_kernel_equals_float64_product(steps, columns):
+# steps around both tiles (T mod 4 and T mod 3 = 0..3, fewer rows than a tile); columns: none, one, fewer than
+# a vector, and more than one kernel piece with a remainder; both tiles, whichever this CPU uses
+@pytest.mark.parametrize("tile", [3, 4])
+@pytest.mark.parametrize("steps", [1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 23])
+@pytest.mark.parametrize("columns", [0, 1, 15, 2 * max(gram_kernel.PIECES.values()) + 37])
+def test_kernel_equals_float64_product(monkeypatch, tile, steps, columns):
+    monkeypatch.setattr(gram_kernel, "TILE", tile)
     m = np.random.default_rng(steps * 1000 + columns).standard_normal((steps, columns), dtype=np.float32)
     got = cpu_gram(m)
     want = reference(m)
     assert got.shape == (steps, steps)
     assert np.array_equal(got, got.T)
     assert relative_error(got, want) < 1e-6
+
+
+def test_this_cpu_runs_one_tile_and_each_tile_its_own_sums():
+    """The tile is chosen once per machine; the two tiles add in different orders (so their results may differ
+    in the last bits), and each is the same every time it runs."""
+    assert gram_kernel.TILE in gram_kernel.PIECES
+    m = np.random.default_rng(1).standard_normal((20, 50_000), dtype=np.float32)
+    grams = {}
+    for tile in (3, 4):
+        first, again = np.zeros((20, 20)), np.zeros((20, 20))
+        gram_kernel.accumulate(m, first, tile=tile)
+        gram_kernel.accumulate(m, again, tile=tile)
+        assert np.array_equal(first, again)
+        grams[tile] = first
+    assert relative_error(grams[3], grams[4]) < 1e-6
 
 
 @pytest.mark.parametrize("threads", [2, 3, 5])
@@ -41,13 +58,15 @@ def test_columns_split_over_threads_give_the_same_gram(monkeypatch, threads):
     assert relative_error(cpu_gram(m, threads), cpu_gram(m, 1)) < 1e-6
 
 
-def test_accumulate_adds_to_the_lower_triangle_only():
-    m = np.random.default_rng(0).standard_normal((6, 100), dtype=np.float32)
-    gram = np.full((6, 6), 7.0)
-    gram_kernel.accumulate(m, gram, 10, 60)
+@pytest.mark.parametrize("tile", [3, 4])
+@pytest.mark.parametrize("steps", [6, 7])
+def test_accumulate_adds_to_the_lower_triangle_only(tile, steps):
+    m = np.random.default_rng(0).standard_normal((steps, 100), dtype=np.float32)
+    gram = np.full((steps, steps), 7.0)
+    gram_kernel.accumulate(m, gram, 10, 60, tile=tile)
     want = reference(m[:, 10:60]) + 7.0
-    lower = np.tril_indices(6)
-    upper = np.triu_indices(6, 1)
+    lower = np.tril_indices(steps)
+    upper = np.triu_indices(steps, 1)
     assert relative_error(gram[lower], want[lower]) < 1e-6
     assert np.all(gram[upper] == 7.0)
 

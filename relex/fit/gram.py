@@ -3,8 +3,8 @@
 G is a sum over any split of the d columns of M, so one block of T × rows values is in memory at a time, on
 the chosen device; a block of a few MiB is still in the CPU cache when its product is formed. Each block's
 product is formed in float32 (on the CPU by the kernel in `gram_kernel`, which computes the lower triangle only,
-or by torch's matrix multiply on a GPU or without numba) and the blocks are accumulated in float64, so long runs
-and large tensors do not lose digits.
+in tiles sized to the CPU's vector registers; by torch's matrix multiply on a GPU or without numba) and the
+blocks are accumulated in float64, so long runs and large tensors do not lose digits.
 
 The pass that builds G is also where non-finite values are caught (ingest does not read them unless asked to):
 a NaN or Inf anywhere in step i's row of M makes G[i, i] = Σ M[i, c]² non-finite, so one look at the diagonal
@@ -55,18 +55,19 @@ def chunk_gram(chunk: torch.Tensor, device: torch.device) -> torch.Tensor:
     return (x @ x.T).double()
 
 
-def cpu_gram(matrix: np.ndarray, threads: int = 1) -> np.ndarray:
-    """M Mᵀ in float64 for a C-contiguous float32 M (T × n), by `gram_kernel`, its columns split over threads."""
+def cpu_gram(matrix: np.ndarray, threads: int = 1, tile: int | None = None) -> np.ndarray:
+    """M Mᵀ in float64 for a C-contiguous float32 M (T × n), by `gram_kernel`, its columns split over threads
+    (`tile`: the kernel's, default this CPU's)."""
     kernel = _kernel()
     steps, n = matrix.shape
     parts = max(1, min(threads, n // THREAD_COLUMNS))
     if parts == 1:
         gram = np.zeros((steps, steps))
-        kernel.accumulate(matrix, gram)
+        kernel.accumulate(matrix, gram, tile=tile)
     else:
         bounds = [n * i // parts for i in range(parts + 1)]
         grams = np.zeros((parts, steps, steps))
-        list(_thread_pool().map(lambda i: kernel.accumulate(matrix, grams[i], bounds[i], bounds[i + 1]), range(parts)))
+        list(_thread_pool().map(lambda i: kernel.accumulate(matrix, grams[i], bounds[i], bounds[i + 1], tile), range(parts)))
         gram = grams.sum(axis=0)
     lower = np.tril(gram)
     return lower + np.tril(gram, -1).T

@@ -2,18 +2,24 @@
 
 Why not `M @ M.T`: torch's CPU BLAS (MKL) treats this skinny product (m = n = T ≈ 20, k = millions) like any
 other GEMM and, on the AMD EPYC machines we measured, runs it at about a third of the core's float32 FMA
-rate, and it computes both triangles. Here each 4 × 4 tile of the lower triangle keeps its 16 sums in
-registers while one pass streams 8 rows through them, over column pieces small enough to stay in L2
-(`PIECE`), so the product runs near the FMA rate and does 60% of the work for T = 20
-(`scripts/bench_gram.py` measures both).
+rate, and it computes both triangles. Here each tile of the lower triangle keeps its sums in registers while
+one pass streams its rows through them, over column pieces small enough to stay in L2 (`PIECE`), so the
+product runs near the FMA rate and does little more than the lower triangle's work (`scripts/bench_gram.py`
+measures torch and both tiles).
 
-Sums run in float32 within a piece (vectorised: 16 lanes, so each lane adds ~PIECE/16 products) and in
-float64 across pieces. Only reassociation and FMA contraction are allowed (not numba's full `fastmath`), so
-a NaN or Inf in M still propagates into the Gram.
+The tile depends on how many vector registers the CPU has (`TILE`). With AVX-512's 32, a 4 × 4 tile keeps its
+16 sums in registers; it measured 149 GFLOP/s (full product) on such a machine. With AVX2's 16, those 16 sums
+spill, and a 3 × 3 tile (9 sums) ran 1.2-2.4x faster for T = 6..50 on a Zen 3 machine. Rows past the last
+whole tile repeat the last row (their sums are thrown away), so every product goes through a tile.
+
+Sums run in float32 within a piece (vectorised, so each lane adds ~PIECE/8 or /16 products) and in float64
+across pieces. Only reassociation and FMA contraction are allowed (not numba's full `fastmath`), so a NaN or
+Inf in M still propagates into the Gram. A machine always runs the same tile, so its results are reproducible
+there; two machines with different vector units differ in the last bits, as any vectorised sum does.
 
 Importing this module imports numba (about 0.2 s); `relex.fit.gram` does so on first use and falls back to
-torch when numba is not installed. The compiled kernel is cached beside this file (numba's `cache=True`), so
-only the first process compiles it (about 1 s).
+torch when numba is not installed. The compiled kernels are cached beside this file (numba's `cache=True`), so
+only the first process compiles them (about 1 s each).
 """
 
 from __future__ import annotations
@@ -21,8 +27,24 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-PIECE = 16384  # columns per pass: T = 20 rows of float32 are 1.3 MiB, inside a 2 MiB L2
 _FLAGS = {"reassoc", "contract"}
+
+
+def _wide_vector_registers() -> bool:
+    """Whether the CPU has AVX-512 (32 vector registers), where numba's code keeps 16 sums in registers."""
+    try:
+        from llvmlite import binding
+
+        return bool(binding.get_host_cpu_features().get("avx512f", False))
+    except Exception:  # an unknown CPU: the tile that fits 16 registers is right on every one
+        return False
+
+
+TILE = 4 if _wide_vector_registers() else 3  # rows (and columns) of a tile of the Gram
+# columns per piece: T = 20 rows of float32 are 1.3 MiB at 16384 (a 2 MiB L2, where the 4 × 4 tile was
+# measured) and 0.3 MiB at 4096 (a 512 KiB L2, where the 3 × 3 tile was)
+PIECES = {4: 16384, 3: 4096}
+PIECE = PIECES[TILE]
 
 
 @numba.njit(fastmath=_FLAGS, nogil=True, cache=True, boundscheck=False)
@@ -55,6 +77,26 @@ def _tile(x0, x1, x2, x3, y0, y1, y2, y3, out):  # pragma: no cover - compiled
     out[12], out[13], out[14], out[15] = s30, s31, s32, s33
 
 @numba.njit(fastmath=_FLAGS, nogil=True, cache=True, boundscheck=False)
+def _tile3(x0, x1, x2, y0, y1, y2, out):  # pragma: no cover - compiled
+    """out[3p + q] = ⟨x_p, y_q⟩ for three rows x against three rows y (1-D, equal length)."""
+    s00 = s01 = s02 = s10 = s11 = s12 = s20 = s21 = s22 = np.float32(0)
+    for k in range(x0.shape[0]):
+        a0, a1, a2 = x0[k], x1[k], x2[k]
+        b0, b1, b2 = y0[k], y1[k], y2[k]
+        s00 += a0 * b0
+        s01 += a0 * b1
+        s02 += a0 * b2
+        s10 += a1 * b0
+        s11 += a1 * b1
+        s12 += a1 * b2
+        s20 += a2 * b0
+        s21 += a2 * b1
+        s22 += a2 * b2
+    out[0], out[1], out[2] = s00, s01, s02
+    out[3], out[4], out[5] = s10, s11, s12
+    out[6], out[7], out[8] = s20, s21, s22
+
+@numba.njit(fastmath=_FLAGS, nogil=True, cache=True, boundscheck=False)
 def _dot(x, y):  # pragma: no cover - compiled
     s = np.float32(0)
     for k in range(x.shape[0]):
@@ -63,8 +105,8 @@ def _dot(x, y):  # pragma: no cover - compiled
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def _lower(m, gram, start, stop, piece):  # pragma: no cover - compiled
-    """gram[i, j] += ⟨m_i, m_j⟩ over columns start:stop, for j ≤ i; m is a C-contiguous float32 T × n
-    array, gram float64 T × T."""
+    """gram[i, j] += ⟨m_i, m_j⟩ over columns start:stop, for j ≤ i, in 4 × 4 tiles; m is a C-contiguous float32
+    T × n array, gram float64 T × T."""
     steps = m.shape[0]
     tiled = steps - steps % 4
     out = np.zeros(16, np.float32)
@@ -81,8 +123,28 @@ def _lower(m, gram, start, stop, piece):  # pragma: no cover - compiled
             for j in range(i + 1):
                 gram[i, j] += _dot(m[i][k0:k1], m[j][k0:k1])
 
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _lower3(m, gram, start, stop, piece):  # pragma: no cover - compiled
+    """As `_lower`, in 3 × 3 tiles; a tile past the last row repeats it, and its sums for rows past the last
+    (or above the diagonal) are not added."""
+    steps = m.shape[0]
+    last = steps - 1
+    out = np.zeros(9, np.float32)
+    for k0 in range(start, stop, piece):
+        k1 = min(stop, k0 + piece)
+        for i in range(0, steps, 3):
+            x0, x1, x2 = m[i][k0:k1], m[min(i + 1, last)][k0:k1], m[min(i + 2, last)][k0:k1]
+            for j in range(0, i + 1, 3):
+                _tile3(x0, x1, x2, m[j][k0:k1], m[min(j + 1, last)][k0:k1], m[min(j + 2, last)][k0:k1], out)
+                for p in range(min(3, steps - i)):
+                    for q in range(3 if j < i else p + 1):  # a diagonal tile's upper half is not wanted
+                        gram[i + p, j + q] += out[3 * p + q]
 
-def accumulate(matrix: np.ndarray, gram: np.ndarray, start: int = 0, stop: int | None = None) -> None:
+
+def accumulate(matrix: np.ndarray, gram: np.ndarray, start: int = 0, stop: int | None = None, tile: int | None = None) -> None:
     """Add the lower triangle of M Mᵀ over M's columns start:stop to `gram` (float64, T × T, upper triangle
-    untouched). M = `matrix`, float32 and C-contiguous (T × n). Releases the GIL: threads can split the columns."""
-    _lower(matrix, gram, start, matrix.shape[1] if stop is None else stop, PIECE)
+    untouched). M = `matrix`, float32 and C-contiguous (T × n). Releases the GIL: threads can split the columns.
+    `tile`: 4 or 3 (default `TILE`, this CPU's)."""
+    tile = tile or TILE
+    lower = _lower if tile == 4 else _lower3
+    lower(matrix, gram, start, matrix.shape[1] if stop is None else stop, PIECES[tile])
