@@ -54,7 +54,7 @@ from relex.io.atomic import atomic_output, check_output, write_lock
 from relex.io.checkpoint import INDEX_NAME, checkpoint_infos, read_config
 from relex.io.dtypes import parse_dtype
 from relex.io.hf_folder import copy_model_files, make_inference_ready, parse_size, plan_shards, shard_names
-from relex.io.stream_writer import StreamingSafetensorsWriter, tensor_bytes
+from relex.io.stream_writer import StreamingSafetensorsWriter, tensor_bytes, writes_direct
 from relex.ranks import process_group, together
 from relex.store import TrajectoryStore
 
@@ -237,7 +237,8 @@ def write_share(state: _Pass, tmp: Path, shards: list, share: list[int], mine: s
             key = (target, shard_of[name])
             if key not in open_writers:
                 folder = tmp / f"step-{state.config.targets[target]}"  # the folder _Pass names TargetReport.path
-                open_writers[key] = StreamingSafetensorsWriter(folder / names[key[1]], shards[key[1]], {"format": "pt"})
+                open_writers[key] = StreamingSafetensorsWriter(folder / names[key[1]], shards[key[1]], {"format": "pt"},
+                                                               direct=writes_direct(state.fit_config.io))
             writer = open_writers[key]
             writer.write(name, values)
             if writer.complete:

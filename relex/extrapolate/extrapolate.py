@@ -48,7 +48,7 @@ from relex.io.atomic import atomic_output, check_output, write_lock
 from relex.io.checkpoint import CheckpointReader, TensorInfo, read_config
 from relex.io.dtypes import dtype_name, parse_dtype
 from relex.io.hf_folder import HFFolderWriter, model_order, parse_size
-from relex.io.stream_writer import WriteBehind
+from relex.io.stream_writer import WriteBehind, writes_direct
 from relex.settings import setting
 from relex.store import TrajectoryStore
 from relex.util import comma_list, module_type, most_common_float_dtype
@@ -350,7 +350,9 @@ def extrapolation_inputs(store: TrajectoryStore, fit: FitResult | None) -> list[
 def _write_targets(state: _Pass, out_dir: Path, max_shard: int) -> FitResult | None:
     """Stream every tensor into one HF folder per target under `out_dir`; returns the fit that was used."""
     store, fit = state.store, state.fit
-    writers = [HFFolderWriter(out_dir / r.path.name, state.layout, base_dir=store.base_dir, max_shard_bytes=max_shard) for r in state.reports]
+    direct = writes_direct(state.fit_config.io)
+    writers = [HFFolderWriter(out_dir / r.path.name, state.layout, base_dir=store.base_dir, max_shard_bytes=max_shard, direct=direct)
+               for r in state.reports]
 
     def write(name: str, outputs: list[torch.Tensor]) -> None:
         for writer, values in zip(writers, outputs):

@@ -49,8 +49,8 @@ class FitConfig:
     device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N")
     chunk_elements: int = setting(DEFAULT_CHUNK_ELEMENTS, "values per block read from the store")
     io: str = setting(
-        "auto", "reading the store: direct bypasses the page cache (O_DIRECT), for stores larger than RAM; cached "
-        "goes through it; auto picks direct when the store is larger than the memory available",
+        "auto", "reading the store and writing checkpoints: direct bypasses the page cache (O_DIRECT), cached goes "
+        "through it; auto reads direct when the store is larger than the memory available and writes direct",
     )
 
     def __post_init__(self) -> None:

@@ -218,8 +218,11 @@ class HFFolderWriter:
         *,
         base_dir: str | Path | None,
         max_shard_bytes: int = 5 * 10**9,
+        direct: bool = False,
     ):
+        """`direct`: shard files written past the page cache where the file system allows (relex.io.stream_writer)."""
         self.out_dir = Path(out_dir)
+        self.direct = direct
         self.base_dir = Path(base_dir) if base_dir is not None else None
         self.tmp_dir = self.out_dir.parent / f".{self.out_dir.name}.tmp-{os.getpid()}"
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
@@ -246,7 +249,8 @@ class HFFolderWriter:
         if index not in self._open:
             if index in self._closed:
                 raise ValueError(f"{self.out_dir}: tensor {name} comes after its shard {self.names[index]} was complete")
-            self._open[index] = StreamingSafetensorsWriter(self.tmp_dir / self.names[index], self.shards[index], {"format": "pt"})
+            self._open[index] = StreamingSafetensorsWriter(self.tmp_dir / self.names[index], self.shards[index], {"format": "pt"},
+                                                             direct=self.direct)
         writer = self._open[index]
         writer.write(name, values)
         if writer.complete:

@@ -3,12 +3,22 @@
 The safetensors format is an 8-byte little-endian header length, a JSON header giving each tensor's dtype, shape
 and byte range, then the raw little-endian bytes. Since the layout (names, shapes, dtypes) is known before any
 value is computed, the header is written first and the bytes follow in header order.
+
+A file can be written past the page cache (`direct=True`, O_DIRECT): the bytes go through one page-aligned
+staging buffer and from it to the device in whole blocks, the last block padded and the file then cut to its
+size. Every file is synced when it is closed, so the device write is waited for either way; what direct writes
+save is copying every byte into the page cache, which the kernel must first find (and zero) fresh pages for. On
+the 2-core development machine 1.08 GB in two files took 3.7-5.5 s and 3.1-4.8 CPU-s through the page cache,
+0.9-1.2 s and 0.1 CPU-s direct. A file system that refuses O_DIRECT (at open, or at the first write) gets plain
+writes instead.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import json
+import mmap
 import os
 import struct
 import threading
@@ -19,6 +29,18 @@ import torch
 
 from relex.io.checkpoint import TensorInfo
 from relex.io.dtypes import TORCH_TO_SAFETENSORS
+from relex.io.safetensors_file import DIRECT_ALIGN
+
+DIRECT_STAGE = 8 * 2**20  # bytes staged per direct write (a multiple of DIRECT_ALIGN)
+
+
+def writes_direct(io: str) -> bool:
+    """Whether a pass's outputs go past the page cache, for its I/O mode (relex.store.IO_MODES): all but `cached`.
+
+    Unlike reads (`TrajectoryStore.reads_direct`), `auto` writes direct whatever the size: a file is synced when
+    it is closed, so the device write is waited for anyway, and the copy into the page cache only costs CPU.
+    """
+    return io != "cached"
 
 
 def tensor_bytes(info: TensorInfo) -> int:
@@ -42,15 +64,22 @@ def _header(layout: Sequence[tuple[str, TensorInfo]], metadata: dict[str, str]) 
 
 
 class StreamingSafetensorsWriter:
-    """Write `layout`'s tensors, in order, each whole or as consecutive row chunks; `close()` checks completeness."""
+    """Write `layout`'s tensors, in order, each whole or as consecutive row chunks; `close()` checks completeness,
+    syncs the file and closes it. `direct`: past the page cache where the file system allows (module docstring)."""
 
-    def __init__(self, path: str | Path, layout: Sequence[tuple[str, TensorInfo]], metadata: dict[str, str] | None = None):
+    def __init__(self, path: str | Path, layout: Sequence[tuple[str, TensorInfo]], metadata: dict[str, str] | None = None,
+                 direct: bool = False):
         self.path = Path(path)
         self.layout = list(layout)
-        self._file = open(self.path, "wb")
-        self._file.write(_header(self.layout, metadata or {"format": "pt"}))
+        self._file = _RawFile(self.path, direct)
+        self._file.write(memoryview(_header(self.layout, metadata or {"format": "pt"})))
         self._index = 0
         self._written = 0  # bytes of the current tensor written so far
+
+    @property
+    def direct(self) -> bool:
+        """Whether the bytes go past the page cache (False where the file system refused O_DIRECT)."""
+        return self._file.direct
 
     def write(self, name: str, values: torch.Tensor) -> None:
         """Append `values`: the whole tensor `name`, or its next rows (any shape with matching trailing dims)."""
@@ -76,15 +105,94 @@ class StreamingSafetensorsWriter:
     def close(self) -> None:
         if self._index != len(self.layout):
             missing = self.layout[self._index][0]
-            self._file.close()
+            self._file.abort()
             raise ValueError(f"{self.path}: closed before tensor {missing} was complete")
-        self._file.flush()
-        os.fsync(self._file.fileno())
         self._file.close()
 
     def abort(self) -> None:
-        self._file.close()
+        self._file.abort()
         self.path.unlink(missing_ok=True)
+
+
+class _RawFile:
+    """A new file written front to back, synced at `close`: with plain writes, or O_DIRECT through a staging buffer."""
+
+    def __init__(self, path: Path, direct: bool):
+        self.path, self.size, self.direct = path, 0, False
+        self._stage: mmap.mmap | None = None
+        self._staged = 0  # bytes in the staging buffer, not yet written
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+            except OSError:  # e.g. a file system without O_DIRECT: plain writes
+                return
+            os.close(self._fd)
+            self._fd, self.direct = direct_fd, True
+            self._stage = mmap.mmap(-1, DIRECT_STAGE)  # page-aligned, as O_DIRECT wants
+
+    def write(self, data: memoryview) -> None:
+        data = data.cast("B")
+        while len(data) and self.direct:
+            take = min(len(data), DIRECT_STAGE - self._staged)
+            self._stage[self._staged : self._staged + take] = data[:take]
+            self._staged += take
+            self.size += take
+            data = data[take:]
+            if self._staged == DIRECT_STAGE:
+                self._flush(DIRECT_STAGE)
+        if len(data):  # plain writes: from the start, or since the file system refused a direct one
+            self._write_all(data, self.size)
+            self.size += len(data)
+
+    def _flush(self, length: int) -> None:
+        """Write the staging buffer's first `length` bytes (a multiple of DIRECT_ALIGN) at the end of what is on disk."""
+        offset, refused = self.size - self._staged, False
+        with memoryview(self._stage) as stage:
+            try:
+                self._write_all(stage[:length], offset)
+            except OSError as error:
+                if error.errno != errno.EINVAL:
+                    raise
+                refused = True  # the file system took O_DIRECT at open but refuses the write: plain writes from here
+                self._plain()
+                self._write_all(stage[: self._staged], offset)
+        self._staged = 0
+        if refused:
+            self._release_stage()
+
+    def _plain(self) -> None:
+        os.close(self._fd)
+        self._fd, self.direct = os.open(self.path, os.O_WRONLY), False
+
+    def _write_all(self, data: memoryview, offset: int) -> None:
+        while len(data):
+            done = os.pwrite(self._fd, data, offset)
+            data, offset = data[done:], offset + done
+
+    def close(self) -> None:
+        try:
+            if self.direct and self._staged:
+                staged = self._staged
+                self._flush(-(-staged // DIRECT_ALIGN) * DIRECT_ALIGN)  # the last block padded ...
+                os.ftruncate(self._fd, self.size)  # ... and cut off again
+            os.fsync(self._fd)
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self._release_stage()
+
+    def _release_stage(self) -> None:
+        if self._stage is not None:
+            try:
+                self._stage.close()
+            except BufferError:  # a view of it is still referenced (by an error's traceback): it goes with that
+                pass
+            self._stage, self._staged = None, 0
 
 
 class WriteBehind:
