@@ -9,8 +9,9 @@ measures torch and both tiles).
 
 The tile depends on how many vector registers the CPU has (`TILE`). With AVX-512's 32, a 4 × 4 tile keeps its
 16 sums in registers; it measured 149 GFLOP/s (full product) on such a machine. With AVX2's 16, those 16 sums
-spill, and a 3 × 3 tile (9 sums) ran 1.2-2.4x faster for T = 6..50 on a Zen 3 machine. Rows past the last
-whole tile repeat the last row (their sums are thrown away), so every product goes through a tile.
+spill, and a 3 × 3 tile (9 sums) ran 1.07-2.3x faster for T = 6..50 on a Zen 3 machine, one thread
+(`scripts/bench_gram.py`, and a loop over 71 MB blocks). Rows past the last whole tile repeat the last row
+(their sums are thrown away), so every product goes through a tile.
 
 Sums run in float32 within a piece (vectorised, so each lane adds ~PIECE/8 or /16 products) and in float64
 across pieces. Only reassociation and FMA contraction are allowed (not numba's full `fastmath`), so a NaN or
