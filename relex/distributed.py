@@ -229,6 +229,7 @@ def write_share(state: _Pass, tmp: Path, shards: list, share: list[int], mine: s
     names = shard_names(len(shards))
     shard_of = {name: i for i in share for name, _ in shards[i]}
     open_writers: dict[tuple[int, int], StreamingSafetensorsWriter] = {}
+    direct = writes_direct(state.fit_config.io)
 
     def write(name: str, outputs: list[torch.Tensor]) -> None:
         if name not in mine:  # computed for an alias of this rank's
@@ -238,7 +239,7 @@ def write_share(state: _Pass, tmp: Path, shards: list, share: list[int], mine: s
             if key not in open_writers:
                 folder = tmp / f"step-{state.config.targets[target]}"  # the folder _Pass names TargetReport.path
                 open_writers[key] = StreamingSafetensorsWriter(folder / names[key[1]], shards[key[1]], {"format": "pt"},
-                                                               direct=writes_direct(state.fit_config.io))
+                                                               direct=direct)
             writer = open_writers[key]
             writer.write(name, values)
             if writer.complete:

@@ -121,15 +121,17 @@ class _RawFile:
         self.path, self.size, self.direct = path, 0, False
         self._stage: mmap.mmap | None = None
         self._staged = 0  # bytes in the staging buffer, not yet written
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-        if direct and hasattr(os, "O_DIRECT"):
-            try:
-                direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
-            except OSError:  # e.g. a file system without O_DIRECT: plain writes
-                return
-            os.close(self._fd)
-            self._fd, self.direct = direct_fd, True
-            self._stage = mmap.mmap(-1, DIRECT_STAGE)  # page-aligned, as O_DIRECT wants
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        if not (direct and hasattr(os, "O_DIRECT")):
+            self._fd = os.open(path, flags, 0o666)
+            return
+        try:
+            self._fd = os.open(path, flags | os.O_DIRECT, 0o666)
+        except OSError:  # e.g. a file system without O_DIRECT: plain writes
+            self._fd = os.open(path, flags, 0o666)
+            return
+        self.direct = True
+        self._stage = mmap.mmap(-1, DIRECT_STAGE)  # page-aligned, as O_DIRECT wants
 
     def write(self, data: memoryview) -> None:
         data = data.cast("B")
