@@ -50,6 +50,7 @@ from relex.extrapolate.extrapolate import (
 )
 from relex.fit.fit import FitConfig, FitResult, fit_from_grams, observed_steps, refit, validate
 from relex.fit.gram import resolve_device, tensor_grams
+from relex.fit.passes import ProductBuffers
 from relex.io.atomic import atomic_output, check_output, write_lock
 from relex.io.checkpoint import INDEX_NAME, checkpoint_infos, read_config
 from relex.io.dtypes import parse_dtype
@@ -251,7 +252,7 @@ def write_share(state: _Pass, tmp: Path, shards: list, share: list[int], mine: s
             tally.begin(name)
 
     try:
-        state.run(write, wanted=mine, begin=begin)
+        state.run(write, wanted=mine, begin=begin, products=ProductBuffers())  # written before `write` returns
     except BaseException:
         for writer in open_writers.values():
             writer.abort()

@@ -65,10 +65,11 @@ def test_chunked_gram_equals_unchunked(store):
         np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=0)  # float32 products, float64 sums
 
 
-@pytest.mark.parametrize("chunk", [10**9, 300])
-def test_weighted_sum_equals_direct_svd(planted, store, tmp_path, chunk):
+# small blocks read twice (cached), or with their first blocks kept for the sums (direct reads keep them)
+@pytest.mark.parametrize("chunk,io", [(10**9, "auto"), (300, "cached"), (300, "direct")])
+def test_weighted_sum_equals_direct_svd(planted, store, tmp_path, chunk, io):
     base, run, _ = planted
-    config = ExtrapolateConfig(targets=[20, 60], fit=FitConfig(observe_until=13, chunk_elements=chunk), cache_elements=chunk)
+    config = ExtrapolateConfig(targets=[20, 60], fit=FitConfig(observe_until=13, chunk_elements=chunk, io=io), cache_elements=chunk)
     extrapolate_store(store, tmp_path / "out", config)
     for target in (20, 60):
         out = load_file(str(tmp_path / "out" / f"step-{target}" / "model.safetensors"))
@@ -222,3 +223,48 @@ def test_backtest_out_is_replaced_whole_and_never_a_folder_or_the_store(store, t
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and words in err[0], err
     assert not (store.path / "backtest.json").exists() and list((tmp_path / "folder").iterdir()) == []
+
+
+def test_written_checkpoints_equal_the_states_kept_in_memory_with_reused_output_memory(planted, tmp_path, monkeypatch):
+    """extrapolate_store reuses its outputs' memory once the writer thread has written them (pooled here down to
+    the smallest product, with the writer slowed so that products wait); extrapolate_states keeps new memory per
+    output. Both write the same bits, aliases of a tensor included."""
+    import time
+
+    import relex.extrapolate.extrapolate as extrapolate_module
+    from relex.extrapolate import extrapolate_states
+    from relex.fit.passes import ProductBuffers
+    from relex.io.checkpoint import CheckpointReader
+    from relex.io.stream_writer import StreamingSafetensorsWriter
+    from relex.store import TrajectoryStore
+
+    base, run, _ = planted
+    canonical, aliases = "model.norm.weight", ["model.layers.0.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"]
+    store = TrajectoryStore.create(tmp_path / "store", base_dir=base, tensors=CheckpointReader(base).infos(),
+                                   tied={a: canonical for a in aliases})
+    for step in STEPS[:6]:
+        store.append_checkpoint(step, run / f"checkpoint-{step}", torch.float32)
+    pools: list[ProductBuffers] = []
+
+    def pooled():
+        pools.append(ProductBuffers(smallest=1))
+        return pools[-1]
+
+    real_write = StreamingSafetensorsWriter.write
+
+    def slow_write(self, name, values):
+        time.sleep(0.001)
+        real_write(self, name, values)
+
+    monkeypatch.setattr(extrapolate_module, "ProductBuffers", pooled)
+    monkeypatch.setattr(StreamingSafetensorsWriter, "write", slow_write)
+    config = ExtrapolateConfig(targets=[20, 40], fit=FitConfig(chunk_elements=6 * 40), cache_elements=6 * 100)
+    extrapolate_store(store, tmp_path / "out", config)
+    assert len(pools) == 1 and pools[0].held == 0 and pools[0]._free  # reused, and every hold let go
+    _, states = extrapolate_states(store, config)
+    for target, state in zip((20, 40), states):
+        written = load_file(str(tmp_path / "out" / f"step-{target}" / "model.safetensors"))
+        assert set(written) == set(state)
+        for name, values in state.items():
+            assert torch.equal(written[name], values), (target, name)
+        assert all(torch.equal(written[a], written[canonical]) for a in aliases)

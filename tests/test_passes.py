@@ -3,13 +3,15 @@ read once for both uses, and what the consumers are told equals a float64 comput
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from relex.errors import RelexError
 from relex.fit.gram import GRAM
-from relex.fit.passes import Consumer, PassBudget, TrajectoryPass, plan_pass, run_pass
+from relex.fit.passes import Consumer, PassBudget, ProductBuffers, TrajectoryPass, plan_pass, run_pass
 from tests.conftest import STEPS
 
 
@@ -97,7 +99,7 @@ def test_what_is_held_is_read_once_and_only_the_rest_twice(store, monkeypatch):
     names = store.trajectory_names
     sizes = {n: len(STEPS) * store.tensors[n].numel for n in names}
     hold = sorted(sizes.values())[len(sizes) // 2]
-    budget = PassBudget(chunk_elements=len(STEPS) * 256, hold_elements=hold)
+    budget = PassBudget(chunk_elements=len(STEPS) * 256, hold_elements=hold, keep_partly=True)
     plan = plan_pass(reader, names, grams=names, sums=names, budget=budget)
     assert {t.name for t in plan.tensors if t.held} == {n for n in names if sizes[n] <= hold}
     partly = [t for t in plan.tensors if t.partly_held]
@@ -131,6 +133,35 @@ def test_what_is_held_is_read_once_and_only_the_rest_twice(store, monkeypatch):
         again = sum(reader.block_numel(reads.name, rows) for rows in reads.rows[reads.held_blocks:]) if not reads.held else 0
         assert sum(reader.block_numel(name, rows) for name, rows, _ in seen if name == reads.name) == numel + again
         torch.testing.assert_close(recorder.whole(reads.name), reader.read(reads.name).sum(0, keepdim=True), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_larger_trajectories_keep_their_first_blocks_only_when_reads_go_past_the_page_cache(store, direct):
+    names = store.trajectory_names
+    sizes = {n: len(STEPS) * store.tensors[n].numel for n in names}
+    hold = sorted(sizes.values())[len(sizes) // 2]
+    budget = PassBudget(chunk_elements=len(STEPS) * 256, hold_elements=hold)
+    reader = store.reader(direct=direct)
+    plan = plan_pass(reader, names, grams=names, sums=names, budget=budget)
+    # whole trajectories within the budget are read once either way
+    assert {t.name for t in plan.tensors if t.held} == {n for n in names if sizes[n] <= hold}
+    partly = {t.name for t in plan.tensors if t.partly_held}
+    larger = {n for n in names if sizes[n] > hold}
+    assert larger and partly == (larger if direct else set())
+    assert (plan.hold_elements > 0) == direct and (plan.allocate_hold() is not None) == direct
+    # the budget decides when it says so
+    told = plan_pass(reader, names, grams=names, sums=names, budget=dataclasses.replace(budget, keep_partly=not direct))
+    assert {t.name for t in told.tensors if t.partly_held} == (set() if direct else larger)
+    # and what the consumers are told is the same whether the first blocks are kept or read again
+    w = np.linspace(-1, 1, len(STEPS))[None]
+    results = []
+    for chosen in (plan, told):
+        recorder = Recorder(w)
+        run_pass(reader, chosen, [recorder], GRAM)
+        results.append(recorder)
+    for name in names:
+        np.testing.assert_array_equal(results[0].grams[name], results[1].grams[name])
+        torch.testing.assert_close(results[0].whole(name), results[1].whole(name), rtol=0, atol=0)
 
 
 def test_grams_and_sums_equal_a_float64_computation(store):
@@ -179,3 +210,88 @@ def test_on_a_gpu_the_same_pass_gives_the_same_results(store):
     for name in names:
         np.testing.assert_allclose(results["cuda"].grams[name], results["cpu"].grams[name], rtol=1e-5, atol=1e-10)
         torch.testing.assert_close(results["cuda"].whole(name), results["cpu"].whole(name), rtol=1e-5, atol=1e-7)
+
+
+def address(values: torch.Tensor) -> int:
+    return values.untyped_storage().data_ptr()
+
+
+def test_a_product_buffer_is_taken_again_only_when_every_holder_let_go():
+    products = ProductBuffers(smallest=8, keep_bytes=4 * 1000)
+    a = products.take(100)
+    assert a.shape == (100,) and a.dtype == torch.float32 and products.held == 1
+    products.hold(a[10:20].view(2, 5))  # a consumer keeps a view of it past its call
+    products.release(a)  # the pass lets go after telling the consumers
+    b = products.take(100)
+    assert address(b) != address(a)  # still held by the consumer: new memory
+    products.release(a[:5])  # the consumer is done
+    assert products.held == 1  # b only
+    c = products.take(60)
+    assert address(c) == address(a) and c.numel() == 60  # a buffer of at most twice the values is reused
+    products.release(c)
+    d = products.take(40)
+    assert address(d) != address(a)  # more than twice as large: not taken for so few values
+    for values in (b, d):
+        products.release(values)
+    assert products.held == 0
+    small = products.take(7)  # under `smallest`: left to the allocator, and holding it changes nothing
+    products.hold(small)
+    products.release(small)
+    assert products.held == 0
+    other = torch.ones(100)
+    products.hold(other)  # a tensor that is no product (the base's values, a cast output): ignored
+    products.release(other)
+    assert products.held == 0
+
+
+def test_free_product_buffers_stay_within_their_budget():
+    products = ProductBuffers(smallest=1, keep_bytes=4 * 250)
+    taken = [products.take(100) for _ in range(5)]
+    for values in taken:
+        products.release(values)
+    assert sum(b.numel() for b in products._free) <= 250  # the oldest free ones were let go
+    again = products.take(100)
+    assert address(again) in {address(t) for t in taken[-2:]}
+
+
+def test_pooled_products_equal_new_ones_and_a_slow_consumer_keeps_its_values(store):
+    """A consumer that hands every block's values to a slow thread, holding them until it has copied them: what that
+    thread copies is what a pass with new memory per product gives, so no buffer was reused while held."""
+    import queue
+    import threading
+    import time
+
+    reader = store.reader()
+    names = store.trajectory_names
+    w = np.random.default_rng(2).normal(size=(2, len(STEPS)))
+    budget = PassBudget(chunk_elements=len(STEPS) * 16, hold_elements=len(STEPS) * 64)
+    fresh = Recorder(w)
+    run_pass(reader, plan_pass(reader, names, grams=names, sums=names, budget=budget), [fresh], GRAM)
+
+    products = ProductBuffers(smallest=1)
+    handed: queue.Queue = queue.Queue()
+    copied: dict[str, list[torch.Tensor]] = {}
+
+    class HandsOver(Consumer):
+        def weights(self, name, gram):
+            return w
+
+        def sums(self, name, rows, sums):
+            products.hold(sums)
+            handed.put((name, sums))
+
+    def copier():
+        while (item := handed.get()) is not None:
+            time.sleep(0.002)  # slower than the pass: products wait while later ones are made
+            name, sums = item
+            copied.setdefault(name, []).append(sums.clone())
+            products.release(sums)
+
+    thread = threading.Thread(target=copier)
+    thread.start()
+    run_pass(reader, plan_pass(reader, names, grams=names, sums=names, budget=budget), [HandsOver()], GRAM, products=products)
+    handed.put(None)
+    thread.join()
+    assert products.held == 0 and products._free  # every hold let go, and buffers were there to reuse
+    for name in names:
+        torch.testing.assert_close(torch.cat(copied[name], dim=1), fresh.whole(name), rtol=0, atol=0)

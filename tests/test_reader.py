@@ -116,3 +116,19 @@ def test_a_checkpoint_reader_closes_its_files_at_the_end_of_a_with_block(tmp_pat
         assert len(reader._handles) == 1
     assert reader._handles == {}
     assert checkpoint_infos(tmp_path)["w"].shape == (2, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_read_into_a_given_buffer_is_a_view_of_it_when_the_values_fit(tmp_path, dtype):
+    values = torch.randn(6, 5).to(dtype)
+    save_file({"w": values, "scalar": torch.tensor(3.0, dtype=dtype)}, str(tmp_path / "model.safetensors"))
+    reader = CheckpointReader(tmp_path)
+    nbytes = 3 * 5 * values.element_size()
+    buffer = torch.zeros(nbytes + 3, dtype=torch.uint8)
+    rows = reader.read("w", (2, 5), buffer)
+    assert rows.dtype == dtype and rows.shape == (3, 5) and torch.equal(rows, values[2:5])
+    assert rows.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()  # no new memory
+    assert torch.equal(reader.read("scalar", None, buffer), torch.tensor(3.0, dtype=dtype))
+    small = reader.read("w", None, buffer)  # 30 values do not fit: new memory, the same values
+    assert torch.equal(small, values) and small.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+    assert torch.equal(reader.read("w", (0, 0), buffer), values[:0])

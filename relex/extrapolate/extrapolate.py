@@ -42,7 +42,7 @@ from relex.fit.fit import (
     window_indices,
 )
 from relex.fit.gram import GRAM, resolve_device
-from relex.fit.passes import DEFAULT_HOLD_ELEMENTS, Consumer, PassBudget, plan_pass, run_pass
+from relex.fit.passes import DEFAULT_HOLD_ELEMENTS, Consumer, PassBudget, ProductBuffers, plan_pass, run_pass
 from relex.fit.trajectory_fit import fit_tensor
 from relex.io.atomic import atomic_output, check_output, write_lock
 from relex.io.checkpoint import CheckpointReader, TensorInfo, read_config
@@ -161,14 +161,16 @@ class _Pass:
             )
         return TargetReport(target, self.out_dir / f"step-{target}", ratio, inside)
 
-    def run(self, emit, wanted: set[str] | None = None, begin=None) -> None:
+    def run(self, emit, wanted: set[str] | None = None, begin=None, products: ProductBuffers | None = None) -> None:
         """Compute the layout's tensors in order, calling `emit(name, outputs)` with one block per target each time.
 
         `wanted`: the names to compute (default all), and the tensors their tied aliases share; `begin(name)` is
         called before a tensor's norms are added to the reports (relex.distributed keeps them per tensor).
+        `products`: reused memory for the outputs (relex.fit.passes): an output is then valid only until `emit`
+        returns, unless `emit` holds it (`products.hold`) until it is done with it (`products.release`).
         """
-        outputs = _Outputs(self, emit, wanted, begin)
-        run_pass(self.reader, self.reads, [outputs], GRAM, desc=f"extrapolate ({self.config.method})")
+        outputs = _Outputs(self, emit, wanted, begin, products)
+        run_pass(self.reader, self.reads, [outputs], GRAM, desc=f"extrapolate ({self.config.method})", products=products)
         outputs.advance(None)
 
     # ---- per tensor ----------------------------------------------------------------------------------------------
@@ -203,8 +205,10 @@ class _Outputs(Consumer):
     with a trajectory (as the pass reaches them), the base's values for the others and for all-zero trajectories,
     and a tied alias's values from the tensor it shares (kept until its last alias is written)."""
 
-    def __init__(self, state: _Pass, emit, wanted: set[str] | None, begin):
+    def __init__(self, state: _Pass, emit, wanted: set[str] | None, begin, products: ProductBuffers | None = None):
         self.state, self.emit, self.begin = state, emit, begin or (lambda name: None)
+        self.products = products  # the outputs kept for an alias are held there until it is written
+        self.base_block = torch.empty(0, dtype=torch.uint8)  # θ₀'s values of a block: used at once, then read over
         self.todo = iter(state.layout)
         self.infos = dict(state.layout)
         names = set(self.infos) if wanted is None else set(wanted)
@@ -231,6 +235,10 @@ class _Outputs(Consumer):
         self.emit(name, outputs)
         self.aliases[alias_of] -= 1
         if not self.aliases[alias_of]:
+            if self.products is not None:
+                for part in self.parts[alias_of]:
+                    for values in part:
+                        self.products.release(values)
             del self.parts[alias_of]
 
     def _emit(self, name: str, outputs: list[torch.Tensor]) -> None:
@@ -239,6 +247,8 @@ class _Outputs(Consumer):
         if self.aliases[name]:
             for part, values in zip(self.parts.setdefault(name, [[] for _ in outputs]), outputs):
                 part.append(values)
+                if self.products is not None:
+                    self.products.hold(values)
         self.emit(name, outputs)
 
     def weights(self, name: str, gram: np.ndarray | None) -> np.ndarray | None:
@@ -251,7 +261,10 @@ class _Outputs(Consumer):
         return w
 
     def sums(self, name: str, rows, sums: torch.Tensor) -> None:
-        base = self.state.base.read(name, rows)
+        nbytes = sums.shape[1] * self.state.base.info(name).dtype.itemsize
+        if self.base_block.numel() < nbytes:
+            self.base_block = torch.empty(nbytes, dtype=torch.uint8)
+        base = self.state.base.read(name, rows, self.base_block)  # combine is done with it before the next block
         self._emit(name, [self.state.combine(base, delta, report) for delta, report in zip(sums, self.state.reports)])
 
 
@@ -354,13 +367,24 @@ def _write_targets(state: _Pass, out_dir: Path, max_shard: int) -> FitResult | N
     writers = [HFFolderWriter(out_dir / r.path.name, state.layout, base_dir=store.base_dir, max_shard_bytes=max_shard, direct=direct)
                for r in state.reports]
 
+    products = ProductBuffers()  # the outputs' memory, reused once they are written
+
     def write(name: str, outputs: list[torch.Tensor]) -> None:
-        for writer, values in zip(writers, outputs):
-            writer.write(name, values)
+        try:
+            for writer, values in zip(writers, outputs):
+                writer.write(name, values)
+        finally:
+            for values in outputs:
+                products.release(values)
+
+    def hand_over(name: str, outputs: list[torch.Tensor]) -> None:
+        for values in outputs:
+            products.hold(values)  # until the writer thread has written them
+        behind.put((name, outputs), sum(v.nbytes for v in outputs))
 
     try:
         with WriteBehind(write) as behind:  # a block is written while the pass computes the next one
-            state.run(lambda name, outputs: behind.put((name, outputs), sum(v.nbytes for v in outputs)))
+            state.run(hand_over, products=products)
         fit_used = fit or (fit_from_grams(state.fit_config, state.plan.steps.tolist(), state.grams, {n: state.infos[n].numel for n in state.grams}, str(store.path)) if state.grams else None)
         for writer, report in zip(writers, state.reports):
             report.finish()

@@ -10,11 +10,12 @@ and methods (extrapolate). Everything else is T × T algebra. So a pass is
 `plan_pass` decides every read up front: blocks of T × rows values (`chunk_elements`); a trajectory that needs
 both its Gram and weighted sums and fits in `hold_elements` is read once, whole, for both, a larger one twice;
 the read-ahead buffers (`buffer_count` of `buffer_elements` floats, pinned host memory when the device is a
-GPU) stay within `buffer_bytes` all together, and the first blocks of a trajectory held only in part are kept in
-one more buffer, reused from tensor to tensor. `run_pass` hands the plan to the store's reader (pure I/O: it reads
+GPU) stay within `buffer_bytes` all together, and, when the reads go past the page cache, the first blocks of a
+trajectory held only in part are kept in one more buffer, reused from tensor to tensor. `run_pass` hands the plan to the store's reader (pure I/O: it reads
 ahead into those buffers) and tells each consumer, tensor by tensor in plan order, the Gram (`Consumer.gram`)
 and then, for the weights it asks for (`Consumer.weights`, which may depend on that Gram), W · M block by block
-(`Consumer.sums`). Several consumers' weights are stacked into one product, so one read serves them all.
+(`Consumer.sums`). Several consumers' weights are stacked into one product, so one read serves them all. Given `ProductBuffers`,
+the products go into memory reused from block to block, for consumers that say when they are done with them.
 
 On the CPU a block's Gram is formed by whichever thread would otherwise wait (a reader or the caller); on a GPU
 blocks are copied from the pinned buffers on a side stream into one of two device buffers, so the copy of one
@@ -50,12 +51,21 @@ DEVICE_COPIES_PER_BLOCK = 3
 @dataclass(frozen=True)
 class PassBudget:
     """How much a pass may hold: values per block, values held for a second use, read-ahead buffers, and on a GPU
-    the device memory its blocks may take (None: DEVICE_SHARE of what is free when the pass is planned)."""
+    the device memory its blocks may take (None: DEVICE_SHARE of what is free when the pass is planned).
+
+    `keep_partly`: whether a trajectory too large to hold whole keeps its first blocks for its sums (None: when
+    the reader reads past the page cache, `TrajectoryReader.direct`). From the page cache a second read is one
+    more copy, as keeping is, and keeping needs `hold_elements` of fresh memory besides: on the SmolLM2 store
+    (T = 20, the embedding the one such trajectory) the pass took 5.90 s without it against 6.23 s with it, and
+    6.67 s against 7.79 s on the referenced checkpoints (medians of 4-5 alternating runs). From a disk the second
+    read is a disk read, which the kept blocks save.
+    """
 
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
     hold_elements: int = DEFAULT_HOLD_ELEMENTS
     buffer_bytes: int = STREAM_BYTES
     device_bytes: int | None = None
+    keep_partly: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -134,10 +144,11 @@ def plan_pass(
     Blocks are at most `chunk_elements` values, and a trajectory read whole for both uses at most `hold_elements`,
     both capped so that MIN_BUFFERS buffers fit in `buffer_bytes` and, on a GPU, so that a block's copies there
     fit the device memory (`device_block_elements`); as many buffers are made as fit (up to
-    STREAM_BUFFERS). A larger trajectory wanted twice keeps its first blocks, up to `hold_elements` values, from
-    the Gram's read for the sums (a copy in memory instead of a second read, which for a referenced checkpoint
-    also re-reads θ₀ and subtracts it; measured here on SmolLM2 shapes, T = 6, the two cost about the same), in
-    one buffer of the plan's `hold_elements` values that every such trajectory reuses. A block is never less than
+    STREAM_BUFFERS). A larger trajectory wanted twice is read twice; where the budget's `keep_partly` says so
+    (by default when the reads go past the page cache), it keeps its first blocks, up to `hold_elements` values,
+    from the Gram's read for the sums (a copy in memory instead of a second read, which for a referenced
+    checkpoint also re-reads θ₀ and subtracts it), in one buffer of the plan's `hold_elements` values that every
+    such trajectory reuses. A block is never less than
     one row at every step, so only a row larger than the budget itself can exceed it.
     """
     steps = max(1, len(reader.steps))
@@ -145,6 +156,7 @@ def plan_pass(
     if device is not None and device.type == "cuda":
         largest_block = min(largest_block, device_block_elements(budget, device))
     chunk, hold = min(budget.chunk_elements, largest_block), min(budget.hold_elements, largest_block)
+    keep_partly = reader.direct if budget.keep_partly is None else budget.keep_partly
     tensors = []
     for name in names:
         gram, summed = name in grams, name in sums
@@ -154,7 +166,7 @@ def plan_pass(
             tensors.append(TensorReads(name, (None,), gram, summed, held_blocks=1))
             continue
         rows = tuple(reader.row_blocks(name, chunk))
-        tensors.append(TensorReads(name, rows, gram, summed, _leading_blocks(reader, name, rows, hold) if gram and summed else 0))
+        tensors.append(TensorReads(name, rows, gram, summed, _leading_blocks(reader, name, rows, hold) if gram and summed and keep_partly else 0))
     largest = max((steps * reader.block_numel(t.name, r) for t in tensors for r in t.rows), default=0)
     count = max(MIN_BUFFERS, min(STREAM_BUFFERS, budget.buffer_bytes // max(1, 4 * largest)))
     kept = max((steps * sum(reader.block_numel(t.name, r) for r in t.rows[: t.held_blocks]) for t in tensors if t.partly_held), default=0)
@@ -210,13 +222,80 @@ class GramCollector(Consumer):
         self.grams[name] = gram
 
 
-def run_pass(reader: TrajectoryReader, plan: PassPlan, consumers: Sequence[Consumer], gram=None, desc: str | None = None) -> None:
+class ProductBuffers:
+    """Memory for a pass's W · M products, reused from block to block instead of new for each.
+
+    The products of an extrapolation add up to targets × the model's values (1.08 GB for two SmolLM2 targets), and
+    Linux maps and zeroes every page of new memory at its first use: 84,000 page faults per pass on that store.
+    The pass holds each product while it tells the consumers, and lets go after; a consumer that keeps the
+    values longer (a writer thread) holds them too (`hold`, on the product or any view of it) and lets go when done
+    (`release`). A buffer nobody holds is taken again for a later product of at most its size and at least half
+    of it. Products under `smallest` values are left to the allocator, and at most `keep_bytes` of free buffers are
+    kept. Thread-safe: a writer thread releases.
+    """
+
+    def __init__(self, smallest: int = 2**18, keep_bytes: int = 2**27):
+        self.smallest, self.keep_bytes = smallest, keep_bytes
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []  # oldest first
+        self._held: dict[int, list] = {}  # storage address -> [buffer, holds]
+
+    def take(self, numel: int) -> torch.Tensor:
+        """A flat float32 tensor of `numel` values, held once by the caller (new memory when none is free)."""
+        if numel < self.smallest:
+            return torch.empty(numel, dtype=torch.float32)
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if numel <= b.numel() <= 2 * numel]
+            if fits:
+                buffer = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+            else:
+                buffer = torch.empty(numel, dtype=torch.float32)
+            self._held[_address(buffer)] = [buffer, 1]
+        return buffer[:numel]
+
+    def hold(self, values: torch.Tensor) -> None:
+        """One more hold on the product `values` belongs to (nothing for a tensor that is not one)."""
+        with self._lock:
+            entry = self._held.get(_address(values))
+            if entry is not None:
+                entry[1] += 1
+
+    def release(self, values: torch.Tensor) -> None:
+        """Let go of one hold; the last one frees the buffer for a later product."""
+        with self._lock:
+            key = _address(values)
+            entry = self._held.get(key)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1]:
+                return
+            del self._held[key]
+            self._free.append(entry[0])
+            while sum(4 * b.numel() for b in self._free) > self.keep_bytes:
+                self._free.pop(0)
+
+    @property
+    def held(self) -> int:
+        """Products some holder has not let go of."""
+        with self._lock:
+            return len(self._held)
+
+
+def _address(values: torch.Tensor) -> int:
+    return values.untyped_storage().data_ptr()
+
+
+def run_pass(reader: TrajectoryReader, plan: PassPlan, consumers: Sequence[Consumer], gram=None, desc: str | None = None,
+             products: ProductBuffers | None = None) -> None:
     """Drive `plan` over `reader`, telling `consumers` what each tensor yields (a progress bar per tensor with `desc`).
 
     `gram`: the Gram's arithmetic, with `prepare(device)`, `chunk_gram(matrix, device)` and
-    `check(name, gram, steps)` (relex.fit.gram.GRAM); needed when the plan forms Gram matrices.
+    `check(name, gram, steps)` (relex.fit.gram.GRAM); needed when the plan forms Gram matrices. `products`: where
+    the W · M products go; without it each is new memory, which a consumer may keep as long as it likes. With it, a
+    consumer that keeps a product's values past its `sums` call must hold them (`ProductBuffers.hold`).
     """
-    with TrajectoryPass(reader, plan, gram) as engine:
+    with TrajectoryPass(reader, plan, gram, products) as engine:
         for reads in tqdm(plan.tensors, desc=desc, unit="tensor", leave=False, disable=None if desc else True):
             engine.tensor(reads, consumers)
 
@@ -224,7 +303,8 @@ def run_pass(reader: TrajectoryReader, plan: PassPlan, consumers: Sequence[Consu
 class TrajectoryPass:
     """A planned pass in progress: the reader's stream of blocks, and the tensor each of them belongs to."""
 
-    def __init__(self, reader: TrajectoryReader, plan: PassPlan, gram=None):
+    def __init__(self, reader: TrajectoryReader, plan: PassPlan, gram=None, products: ProductBuffers | None = None):
+        self.products = products
         grams = any(t.gram for t in plan.tensors)
         if gram is None and grams:
             raise ValueError("plan_pass planned Gram matrices; run_pass needs the Gram arithmetic (relex.fit.gram.GRAM)")
@@ -316,10 +396,23 @@ class TrajectoryPass:
         w = torch.as_tensor(np.concatenate([w for _, w in wanted]), dtype=torch.float32, device=self.device)
         bounds = np.cumsum([0] + [len(w) for _, w in wanted])
         for rows, matrix, staged in blocks:
-            sums = (w @ (staged if staged is not None else self._staging.put(matrix))).cpu()
-            check_finite_inputs(reads.name, sums, matrix, self.reader.steps)
-            for (consumer, _), a, b in zip(wanted, bounds[:-1], bounds[1:]):
-                consumer.sums(reads.name, rows, sums[a:b])
+            sums = self._product(w, staged if staged is not None else self._staging.put(matrix))
+            try:
+                check_finite_inputs(reads.name, sums, matrix, self.reader.steps)
+                for (consumer, _), a, b in zip(wanted, bounds[:-1], bounds[1:]):
+                    consumer.sums(reads.name, rows, sums[a:b])
+            finally:
+                if self.products is not None:
+                    self.products.release(sums)
+
+    def _product(self, w: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+        """W · M on the host: new memory, or a buffer of `products`."""
+        if self.products is None:
+            return (w @ matrix).cpu()
+        out = self.products.take(len(w) * matrix.shape[1]).view(len(w), matrix.shape[1])
+        if matrix.device.type == "cpu":
+            return torch.matmul(w, matrix, out=out)
+        return out.copy_(w @ matrix)
 
 
 class _Staging:

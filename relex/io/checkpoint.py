@@ -154,9 +154,10 @@ class CheckpointReader:
     def infos(self) -> dict[str, TensorInfo]:
         return {name: self.info(name) for name in self.names()}
 
-    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """The tensor `name` in its stored dtype; with `rows=(a, b)`, only rows a..b-1 of its first dimension."""
-        return self._handle(name).read(name, rows)
+    def read(self, name: str, rows: tuple[int, int] | None = None, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor `name` in its stored dtype; with `rows=(a, b)`, only rows a..b-1 of its first dimension. With
+        `buffer` (a flat uint8 tensor), a view of it when the values fit, instead of new memory."""
+        return self._handle(name).read(name, rows, buffer)
 
     def read_into(self, name: str, out: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
         """Fill `out` (contiguous, the stored dtype) with tensor `name` or its rows, without an intermediate copy."""

@@ -155,10 +155,15 @@ class SafetensorsFile:
             begin, end, shape[0] = begin + a * row_bytes, begin + b * row_bytes, max(0, b - a)
         return self.data_start + begin, end - begin, shape
 
-    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """The tensor, or rows a..b-1 of its first dimension, in its stored dtype (a new, writable tensor)."""
-        _, _, shape = self.span(name, rows)
-        out = torch.empty(shape, dtype=self.dtype(name))
+    def read(self, name: str, rows: tuple[int, int] | None = None, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor, or rows a..b-1 of its first dimension, in its stored dtype (a new, writable tensor; with
+        `buffer`, a flat uint8 tensor of at least its bytes, a view of that instead of new memory)."""
+        _, nbytes, shape = self.span(name, rows)
+        dtype = self.dtype(name)
+        if buffer is not None and buffer.numel() >= nbytes:
+            out = buffer[:nbytes].view(dtype).view(shape)
+        else:
+            out = torch.empty(shape, dtype=dtype)
         self.read_into(name, out, rows)
         return out
 
