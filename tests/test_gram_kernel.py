@@ -120,3 +120,26 @@ def test_a_kernel_that_cannot_compile_falls_back_to_torch(monkeypatch, caplog):
         monkeypatch.undo()
         gram_module._kernel.cache_clear()
     assert gram_module._kernel() is gram_kernel
+
+
+def test_loading_the_kernel_skips_numbas_blas_look_and_leaves_numba_as_it_was():
+    """numba's NumPy implementations import scipy.linalg to look for a BLAS when the kernel loads; relex skips that
+    look (0.27 s) and puts numba's check back, so `np.dot` in numba code still compiles and runs."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numba, numpy as np, numba.np.linalg as linalg\n"
+        "real = linalg.ensure_blas\n"
+        "from relex.fit import gram_kernel\n"
+        "gram = np.zeros((5, 5)); gram_kernel.accumulate(np.ones((5, 7), np.float32), gram)\n"
+        "assert (np.tril(gram) == np.tril(np.full((5, 5), 7.0))).all(), gram  # the lower triangle\n"
+        "assert 'scipy.linalg' not in sys.modules, 'scipy.linalg was imported'\n"
+        "import numba.np.arraymath as arraymath\n"
+        "assert linalg.ensure_blas is real and arraymath.ensure_blas is real\n"
+        "dot = numba.njit(lambda a, b: np.dot(a, b))\n"
+        "assert dot(np.ones(3), np.full(3, 2.0)) == 6.0\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

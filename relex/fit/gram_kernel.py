@@ -20,13 +20,47 @@ there; two machines with different vector units differ in the last bits, as any 
 
 Importing this module imports numba (about 0.2 s); `relex.fit.gram` does so on first use and falls back to
 torch when numba is not installed. The compiled kernels are cached beside this file (numba's `cache=True`), so
-only the first process compiles them (about 1 s each).
+only the first process compiles them (about 1 s each). Loading them makes numba import its NumPy implementations,
+one of which looks for a BLAS by importing scipy.linalg (0.27 s here, while both of a pass's threads wait), only
+to choose how `np.correlate`-like inner products are compiled; none of these kernels uses one, so that module is
+imported here with the look skipped (`_import_numba_arraymath`).
 """
 
 from __future__ import annotations
 
+import sys
+
 import numba
 import numpy as np
+
+
+def _import_numba_arraymath() -> None:
+    """Import numba.np.arraymath without its BLAS check importing scipy.linalg, unless scipy's BLAS is already
+    loaded (then the check is free). Numba's own `ensure_blas` is put back at once, so `np.dot` and
+    `np.linalg` in numba code compile as before; only the inner-product choice above takes numba's loop.
+    Where numba's layout differs (another version), the module is imported as numba would."""
+    if "numba.np.arraymath" in sys.modules or "scipy.linalg.cython_blas" in sys.modules:
+        return
+    try:
+        import numba.np.linalg as linalg
+
+        real = linalg.ensure_blas
+    except (ImportError, AttributeError):
+        return
+
+    def not_looked_for() -> None:
+        raise ImportError("BLAS not looked for (relex.fit.gram_kernel)")
+
+    linalg.ensure_blas = not_looked_for
+    try:
+        import numba.np.arraymath as arraymath
+    finally:
+        linalg.ensure_blas = real
+    if getattr(arraymath, "ensure_blas", None) is not_looked_for:
+        arraymath.ensure_blas = real
+
+
+_import_numba_arraymath()
 
 _FLAGS = {"reassoc", "contract"}
 
