@@ -65,10 +65,13 @@ def test_chunked_gram_equals_unchunked(store):
         np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=0)  # float32 products, float64 sums
 
 
-# small blocks read twice (cached), or with their first blocks kept for the sums (direct reads keep them)
-@pytest.mark.parametrize("chunk,io", [(10**9, "auto"), (300, "cached"), (300, "direct")])
-def test_weighted_sum_equals_direct_svd(planted, store, tmp_path, chunk, io):
+# small blocks, read twice (from the page cache, when the kept blocks would not reuse their buffer enough) or with
+# their first blocks kept for the sums (direct reads keep them)
+@pytest.mark.parametrize("chunk,io,reuse", [(10**9, "auto", None), (300, "cached", 10**9), (300, "direct", None)])
+def test_weighted_sum_equals_direct_svd(planted, store, tmp_path, chunk, io, reuse, monkeypatch):
     base, run, _ = planted
+    if reuse is not None:
+        monkeypatch.setattr("relex.fit.passes.KEEP_REUSE", reuse)
     config = ExtrapolateConfig(targets=[20, 60], fit=FitConfig(observe_until=13, chunk_elements=chunk, io=io), cache_elements=chunk)
     extrapolate_store(store, tmp_path / "out", config)
     for target in (20, 60):

@@ -11,7 +11,7 @@ import torch
 
 from relex.errors import RelexError
 from relex.fit.gram import GRAM
-from relex.fit.passes import Consumer, PassBudget, ProductBuffers, TrajectoryPass, plan_pass, run_pass
+from relex.fit.passes import KEEP_REUSE, Consumer, PassBudget, ProductBuffers, TrajectoryPass, plan_pass, run_pass
 from tests.conftest import STEPS
 
 
@@ -136,28 +136,39 @@ def test_what_is_held_is_read_once_and_only_the_rest_twice(store, monkeypatch):
 
 
 @pytest.mark.parametrize("direct", [False, True])
-def test_larger_trajectories_keep_their_first_blocks_only_when_reads_go_past_the_page_cache(store, direct):
+def test_first_blocks_are_kept_past_the_page_cache_or_when_their_buffer_is_reused_enough(store, direct):
     names = store.trajectory_names
     sizes = {n: len(STEPS) * store.tensors[n].numel for n in names}
     hold = sorted(sizes.values())[len(sizes) // 2]
+    larger = [n for n in names if sizes[n] > hold]
+    assert len(larger) >= KEEP_REUSE
     budget = PassBudget(chunk_elements=len(STEPS) * 256, hold_elements=hold)
     reader = store.reader(direct=direct)
-    plan = plan_pass(reader, names, grams=names, sums=names, budget=budget)
-    # whole trajectories within the budget are read once either way
-    assert {t.name for t in plan.tensors if t.held} == {n for n in names if sizes[n] <= hold}
-    partly = {t.name for t in plan.tensors if t.partly_held}
-    larger = {n for n in names if sizes[n] > hold}
-    assert larger and partly == (larger if direct else set())
-    assert (plan.hold_elements > 0) == direct and (plan.allocate_hold() is not None) == direct
+
+    def partly(plan):
+        return {t.name for t in plan.tensors if t.partly_held}
+
+    # every larger trajectory: the one buffer is reused often enough, or the second read would be a disk read
+    many = plan_pass(reader, names, grams=names, sums=names, budget=budget)
+    assert partly(many) == set(larger) and many.hold_elements > 0
+    assert {t.name for t in many.tensors if t.held} == {n for n in names if sizes[n] <= hold}  # whole: either way
+    # one larger trajectory: from the page cache, its buffer would be new memory for one use, so it is read twice
+    one = [n for n in names if sizes[n] <= hold] + larger[:1]
+    few = plan_pass(reader, one, grams=one, sums=one, budget=budget)
+    assert partly(few) == (set(larger[:1]) if direct else set())
+    assert (few.hold_elements > 0) == direct and (few.allocate_hold() is not None) == direct
+    assert {t.name for t in few.tensors if t.held} == {n for n in names if sizes[n] <= hold}
     # the budget decides when it says so
-    told = plan_pass(reader, names, grams=names, sums=names, budget=dataclasses.replace(budget, keep_partly=not direct))
-    assert {t.name for t in told.tensors if t.partly_held} == (set() if direct else larger)
+    for keep in (False, True):
+        told = plan_pass(reader, names, grams=names, sums=names, budget=dataclasses.replace(budget, keep_partly=keep))
+        assert partly(told) == (set(larger) if keep else set()) and (told.hold_elements > 0) == keep
     # and what the consumers are told is the same whether the first blocks are kept or read again
     w = np.linspace(-1, 1, len(STEPS))[None]
     results = []
-    for chosen in (plan, told):
+    for keep in (False, True):
         recorder = Recorder(w)
-        run_pass(reader, chosen, [recorder], GRAM)
+        run_pass(reader, plan_pass(reader, names, grams=names, sums=names, budget=dataclasses.replace(budget, keep_partly=keep)),
+                 [recorder], GRAM)
         results.append(recorder)
     for name in names:
         np.testing.assert_array_equal(results[0].grams[name], results[1].grams[name])

@@ -10,8 +10,8 @@ and methods (extrapolate). Everything else is T × T algebra. So a pass is
 `plan_pass` decides every read up front: blocks of T × rows values (`chunk_elements`); a trajectory that needs
 both its Gram and weighted sums and fits in `hold_elements` is read once, whole, for both, a larger one twice;
 the read-ahead buffers (`buffer_count` of `buffer_elements` floats, pinned host memory when the device is a
-GPU) stay within `buffer_bytes` all together, and, when the reads go past the page cache, the first blocks of a
-trajectory held only in part are kept in one more buffer, reused from tensor to tensor. `run_pass` hands the plan to the store's reader (pure I/O: it reads
+GPU) stay within `buffer_bytes` all together, and the first blocks of a trajectory held only in part are kept in
+one more buffer, reused from tensor to tensor (when that pays: `plan_pass`). `run_pass` hands the plan to the store's reader (pure I/O: it reads
 ahead into those buffers) and tells each consumer, tensor by tensor in plan order, the Gram (`Consumer.gram`)
 and then, for the weights it asks for (`Consumer.weights`, which may depend on that Gram), W · M block by block
 (`Consumer.sums`). Several consumers' weights are stacked into one product, so one read serves them all. Given `ProductBuffers`,
@@ -24,6 +24,7 @@ block runs while the kernels of the one before do (`_Staging`). Either way it is
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -43,6 +44,9 @@ LOG = logging.getLogger(__name__)
 DEFAULT_CHUNK_ELEMENTS = 2**22  # values per (T × rows) block read at once: 16 MiB of float32, about the CPU's L3
 DEFAULT_HOLD_ELEMENTS = 2**27  # 512 MiB of float32: a trajectory up to this size is read once, not twice
 MIN_BUFFERS = 2  # one the caller computes on while a reader fills the other
+# from the page cache, blocks are kept for a second use only when the buffer they are kept in is reused this many
+# times over (in values kept, all trajectories together): its first use is new memory (plan_pass)
+KEEP_REUSE = 4
 DEVICE_SHARE = 0.5  # of a GPU's free memory, the part a pass plans to use unless told (PassBudget.device_bytes)
 # float32 copies of a block a GPU holds at once: the two staging buffers, and W · M with its operands at most
 DEVICE_COPIES_PER_BLOCK = 3
@@ -53,12 +57,8 @@ class PassBudget:
     """How much a pass may hold: values per block, values held for a second use, read-ahead buffers, and on a GPU
     the device memory its blocks may take (None: DEVICE_SHARE of what is free when the pass is planned).
 
-    `keep_partly`: whether a trajectory too large to hold whole keeps its first blocks for its sums (None: when
-    the reader reads past the page cache, `TrajectoryReader.direct`). From the page cache a second read is one
-    more copy, as keeping is, and keeping needs `hold_elements` of fresh memory besides: on the SmolLM2 store
-    (T = 20, the embedding the one such trajectory) the pass took 5.90 s without it against 6.23 s with it, and
-    6.67 s against 7.79 s on the referenced checkpoints (medians of 4-5 alternating runs). From a disk the second
-    read is a disk read, which the kept blocks save.
+    `keep_partly`: whether a trajectory too large to hold whole keeps its first blocks for its sums (None: the
+    planner decides, `plan_pass`).
     """
 
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
@@ -144,19 +144,24 @@ def plan_pass(
     Blocks are at most `chunk_elements` values, and a trajectory read whole for both uses at most `hold_elements`,
     both capped so that MIN_BUFFERS buffers fit in `buffer_bytes` and, on a GPU, so that a block's copies there
     fit the device memory (`device_block_elements`); as many buffers are made as fit (up to
-    STREAM_BUFFERS). A larger trajectory wanted twice is read twice; where the budget's `keep_partly` says so
-    (by default when the reads go past the page cache), it keeps its first blocks, up to `hold_elements` values,
-    from the Gram's read for the sums (a copy in memory instead of a second read, which for a referenced
-    checkpoint also re-reads θ₀ and subtracts it), in one buffer of the plan's `hold_elements` values that every
-    such trajectory reuses. A block is never less than
-    one row at every step, so only a row larger than the budget itself can exceed it.
+    STREAM_BUFFERS). A larger trajectory wanted twice keeps its first blocks, up to `hold_elements` values, from
+    the Gram's read for the sums (a copy in memory instead of a second read, which for a referenced checkpoint
+    also re-reads θ₀ and subtracts it), in one buffer of the plan's `hold_elements` values that every such
+    trajectory reuses, and reads the others twice. Unless the budget says (`keep_partly`), it keeps them when the
+    reads go past the page cache (`TrajectoryReader.direct`: a second read would be a disk read), or when the
+    blocks kept add up to KEEP_REUSE times that buffer. From the page cache a second read is one more copy, as
+    keeping is, while the buffer is new memory, which the kernel faults in page by page. Measured on the SmolLM2
+    store (T = 20, medians of 4-5 alternating runs): with the embedding the one such trajectory, the pass took
+    5.90 s reading it twice against 6.23 s keeping 512 MiB of it (6.67 s against 7.79 s on the referenced
+    checkpoints); with the budget at 64 MiB, so that 91 trajectories keep 64 MiB each as from 1.5B up, 8.91 s
+    and 7.94 s reading them twice against 7.91 s and 6.93 s keeping (two sets of four runs). A block is never less than one row at every step, so only a row
+    larger than the budget itself can exceed it.
     """
     steps = max(1, len(reader.steps))
     largest_block = budget.buffer_bytes // (4 * MIN_BUFFERS)
     if device is not None and device.type == "cuda":
         largest_block = min(largest_block, device_block_elements(budget, device))
     chunk, hold = min(budget.chunk_elements, largest_block), min(budget.hold_elements, largest_block)
-    keep_partly = reader.direct if budget.keep_partly is None else budget.keep_partly
     tensors = []
     for name in names:
         gram, summed = name in grams, name in sums
@@ -166,11 +171,16 @@ def plan_pass(
             tensors.append(TensorReads(name, (None,), gram, summed, held_blocks=1))
             continue
         rows = tuple(reader.row_blocks(name, chunk))
-        tensors.append(TensorReads(name, rows, gram, summed, _leading_blocks(reader, name, rows, hold) if gram and summed and keep_partly else 0))
+        tensors.append(TensorReads(name, rows, gram, summed, _leading_blocks(reader, name, rows, hold) if gram and summed else 0))
+    kept = [steps * sum(reader.block_numel(t.name, r) for r in t.rows[: t.held_blocks]) for t in tensors if t.partly_held]
+    keep = budget.keep_partly
+    if keep is None:
+        keep = reader.direct or sum(kept) >= KEEP_REUSE * max(kept, default=0)
+    if not keep:  # read twice instead
+        tensors, kept = [dataclasses.replace(t, held_blocks=0) if t.partly_held else t for t in tensors], []
     largest = max((steps * reader.block_numel(t.name, r) for t in tensors for r in t.rows), default=0)
     count = max(MIN_BUFFERS, min(STREAM_BUFFERS, budget.buffer_bytes // max(1, 4 * largest)))
-    kept = max((steps * sum(reader.block_numel(t.name, r) for r in t.rows[: t.held_blocks]) for t in tensors if t.partly_held), default=0)
-    return PassPlan(tuple(tensors), steps, device or torch.device("cpu"), largest, count, kept)
+    return PassPlan(tuple(tensors), steps, device or torch.device("cpu"), largest, count, max(kept, default=0))
 
 
 def device_block_elements(budget: PassBudget, device: torch.device) -> int:
