@@ -11,11 +11,12 @@ and methods (extrapolate). Everything else is T × T algebra. So a pass is
 both its Gram and weighted sums and fits in `hold_elements` is read once, whole, for both, a larger one twice;
 the read-ahead buffers (`buffer_count` of `buffer_elements` floats, pinned host memory when the device is a
 GPU) stay within `buffer_bytes` all together, and the first blocks of a trajectory held only in part are kept in
-one more buffer, reused from tensor to tensor (when that pays: `plan_pass`). `run_pass` hands the plan to the store's reader (pure I/O: it reads
-ahead into those buffers) and tells each consumer, tensor by tensor in plan order, the Gram (`Consumer.gram`)
-and then, for the weights it asks for (`Consumer.weights`, which may depend on that Gram), W · M block by block
-(`Consumer.sums`). Several consumers' weights are stacked into one product, so one read serves them all. Given `ProductBuffers`,
-the products go into memory reused from block to block, for consumers that say when they are done with them.
+one more buffer, reused from tensor to tensor (where that pays: `plan_pass`). `run_pass` hands the plan to the
+store's reader (pure I/O: it reads ahead into those buffers) and tells each consumer, tensor by tensor in plan
+order, the Gram (`Consumer.gram`) and then, for the weights it asks for (`Consumer.weights`, which may depend on
+that Gram), W · M block by block (`Consumer.sums`). Several consumers' weights are stacked into one product, so
+one read serves them all. Given `ProductBuffers`, the products go into memory reused from block to block, for
+consumers that say when they are done with them.
 
 On the CPU a block's Gram is formed by whichever thread would otherwise wait (a reader or the caller); on a GPU
 blocks are copied from the pinned buffers on a side stream into one of two device buffers, so the copy of one
@@ -154,8 +155,8 @@ def plan_pass(
     store (T = 20, medians of 4-5 alternating runs): with the embedding the one such trajectory, the pass took
     5.90 s reading it twice against 6.23 s keeping 512 MiB of it (6.67 s against 7.79 s on the referenced
     checkpoints); with the budget at 64 MiB, so that 91 trajectories keep 64 MiB each as from 1.5B up, 8.91 s
-    and 7.94 s reading them twice against 7.91 s and 6.93 s keeping (two sets of four runs). A block is never less than one row at every step, so only a row
-    larger than the budget itself can exceed it.
+    and 7.94 s reading them twice against 7.91 s and 6.93 s keeping (two sets of four runs). A block is never
+    less than one row at every step, so only a row larger than the budget itself can exceed it.
     """
     steps = max(1, len(reader.steps))
     largest_block = budget.buffer_bytes // (4 * MIN_BUFFERS)
