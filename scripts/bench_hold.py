@@ -2,7 +2,8 @@
 
 A pass reads a trajectory too large to hold (T steps × the tensor's values > the hold budget, 512 MiB by default)
 twice: once for its Gram, and again for its weighted sums, except for its first blocks, up to the budget, which it
-keeps from the first read (relex.fit.passes). From Qwen2.5-1.5B up nearly every matrix is such a trajectory. Kept
+keeps from the first read where that pays (relex.fit.passes.plan_pass: reads past the page cache, or enough such
+trajectories to reuse the buffer). From Qwen2.5-1.5B up nearly every matrix is such a trajectory. Kept
 as a copy per tensor (`clone`), each is fresh memory: the allocator maps it anew, and the kernel faults in and
 zeroes every 4 KiB page before the copy writes it. Kept in one buffer that the next tensor reuses (what the pass
 does now), only the first tensor pays for that. This times both for `--tensors` tensors of `--hold-mib` kept
