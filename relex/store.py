@@ -43,6 +43,7 @@ from relex.errors import RelexError
 from relex.io.atomic import clean_leftovers_inside, write_json_atomic, write_lock
 from relex.io.checkpoint import CheckpointReader, TensorInfo
 from relex.io.dtypes import SAFETENSORS_TO_TORCH, dtype_name, from_name
+from relex.io.safetensors_file import SafetensorsFile
 from relex.io.stream_writer import StreamingSafetensorsWriter
 from relex.io.verl_shards import open_checkpoint
 from relex.util import is_int, is_positive_int
@@ -57,6 +58,7 @@ STREAM_BYTES = 2**30  # ... as many as fit in this much memory, but at least 2
 # keeps more reads in flight (fast NVMe and network file systems need a deeper queue)
 STREAM_READERS = 1 if (os.cpu_count() or 1) <= 4 else 2
 STORE_FORMAT = "relex-trajectory/1"
+SUBTRACT_ROW_BYTES = 2**16  # rows of a referenced checkpoint from this size on have θ₀ subtracted one by one
 
 
 @dataclass(frozen=True)
@@ -499,6 +501,9 @@ class TrajectoryReader:
             raise store.missing_reference(store.base_dir, "the base checkpoint")
         self.base = CheckpointReader(store.base_dir)
         self._sources = [self._open(entry) for entry in self.entries]  # one reader per step, files kept open
+        self._files: dict[str, list[SafetensorsFile] | None] = {}  # per tensor: `_float32_files`
+        self._referenced = [entry.kind == "checkpoint" for entry in self.entries]  # rows that hold θ_s, not Δ_s
+        self._subtract = [i for i, referenced in enumerate(self._referenced) if referenced]
 
     def _open(self, entry: StepEntry) -> CheckpointReader:
         if entry.kind == "checkpoint":
@@ -545,22 +550,62 @@ class TrajectoryReader:
 
         Values are not checked here (a scan would cost more than the read): a NaN or Inf reaches the caller's
         arithmetic, which refuses it (the Gram's diagonal, relex.fit.gram; the weighted sum, relex.fit.passes).
+        Where every step stores the tensor in float32 in a safetensors file, each row is one positioned read
+        straight into `out` (`SafetensorsFile.fill`), with the files and their checks looked up once per tensor:
+        a block of T rows costs T reads and little else (0.43 ms a block of 20 short rows through the per-row
+        checks before, measured on the SmolLM2 store).
         """
+        files = self._files[name] if name in self._files else self._float32_files(name)
+        base = self.base_rows(name, rows).reshape(-1).float() if self._subtract else None
+        # θ₀ is subtracted from a long row as soon as it is read, while the row is still in the CPU's cache; from
+        # short ones all at once, in one call
+        at_once = base is not None and 4 * base.numel() < SUBTRACT_ROW_BYTES
+        if files is None:
+            self._read_converted(name, out, rows, None if at_once else base)
+        else:
+            values = out.numpy()
+            for i, file in enumerate(files):
+                offset, nbytes, _ = file.span(name, rows)
+                row = memoryview(values[i]).cast("B")
+                if len(row) != nbytes:
+                    raise ValueError(f"{file.path}: tensor {name}: {nbytes} bytes read into a row of {len(row)}")
+                if nbytes:
+                    file.fill(name, offset, row)
+                if base is not None and not at_once and self._referenced[i]:
+                    out[i].sub_(base)
+        if at_once:
+            if len(self._subtract) == len(self.entries):
+                out.sub_(base)
+            else:
+                for i in self._subtract:
+                    out[i].sub_(base)
+
+    def _float32_files(self, name: str) -> list[SafetensorsFile] | None:
+        """The file holding tensor `name` at each step, when each stores it in float32 in a safetensors file (else
+        None: `_read_converted`); a referenced checkpoint's shape is checked here, once per tensor and pass."""
         expected = self.infos[name].shape
-        base_f32 = None
-        for i, (entry, source) in enumerate(zip(self.entries, self._sources)):
-            row = out[i]
+        files = []
+        for entry, source in zip(self.entries, self._sources):
             info = source.info(name)
             if entry.kind == "checkpoint" and info.shape != expected:  # checked at ingest; the folder may have changed
                 raise RelexError(f"tensor {name}: shape {info.shape} at step {entry.step}, {expected} at base")
-            if info.dtype == torch.float32:
+            if files is not None and info.dtype == torch.float32 and isinstance(source, CheckpointReader):
+                files.append(source.file_of(name))
+            else:
+                files = None
+        self._files[name] = files
+        return files
+
+    def _read_converted(self, name: str, out: torch.Tensor, rows: tuple[int, int] | None, base: torch.Tensor | None) -> None:
+        """θ_s (or Δ_s) of each step as float32 into `out`, from whatever the step stores (bf16, verl's shards);
+        `base` (θ₀) is subtracted from each row of a referenced checkpoint as it is read."""
+        for row, source, referenced in zip(out, self._sources, self._referenced):
+            if source.info(name).dtype == torch.float32:
                 source.read_into(name, row, rows)
             else:
                 row.copy_(source.read(name, rows).reshape(-1))
-            if entry.kind == "checkpoint":
-                if base_f32 is None:
-                    base_f32 = self.base_rows(name, rows).reshape(-1).float()
-                row.sub_(base_f32)
+            if base is not None and referenced:
+                row.sub_(base)
 
     def stream(
         self, blocks: Sequence[Block], device: torch.device | None = None, readers: int | None = None, gram=None,

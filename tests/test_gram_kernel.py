@@ -143,3 +143,68 @@ def test_loading_the_kernel_skips_numbas_blas_look_and_leaves_numba_as_it_was():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+# ---- weighted sums W · M -------------------------------------------------------------------------------------------
+def reference_sums(w: np.ndarray, m: np.ndarray) -> np.ndarray:
+    return w.astype(np.float64) @ m.astype(np.float64)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])  # pairs of rows of W, and an odd last one paired with itself
+@pytest.mark.parametrize("steps", [1, 2, 20])
+@pytest.mark.parametrize("columns", [0, 1, 15, 2 * gram_kernel.SUM_PIECE + 37])
+def test_weighted_sums_equal_the_float64_product(rows, steps, columns):
+    generator = np.random.default_rng(rows * 100 + steps * 10 + columns)
+    w = generator.standard_normal((rows, steps), dtype=np.float32)
+    m = generator.standard_normal((steps, columns), dtype=np.float32)
+    out = np.full((rows, columns), np.nan, dtype=np.float32)
+    gram_kernel.weighted_sums(w, m, out)
+    want = reference_sums(w, m)
+    assert np.abs(out - want).max(initial=0.0) <= 1e-5 * max(1.0, np.abs(want).max(initial=0.0))
+
+
+def test_weighted_sums_write_only_their_columns():
+    m = np.random.default_rng(1).standard_normal((7, 3000), dtype=np.float32)
+    w = np.random.default_rng(2).standard_normal((3, 7), dtype=np.float32)
+    out = np.full((3, 3000), 7.0, dtype=np.float32)
+    gram_kernel.weighted_sums(w, m, out, 1000, 2500)
+    assert np.all(out[:, :1000] == 7.0) and np.all(out[:, 2500:] == 7.0)
+    assert np.abs(out[:, 1000:2500] - reference_sums(w, m[:, 1000:2500])).max() < 1e-4
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_weighted_sums_split_over_threads_are_the_same_bits(monkeypatch, threads):
+    monkeypatch.setattr(gram_module, "THREAD_COLUMNS", 1000)
+    m = np.random.default_rng(threads).standard_normal((20, 12_345), dtype=np.float32)
+    w = np.random.default_rng(threads + 1).standard_normal((4, 20), dtype=np.float32)
+    split, whole = np.empty((4, 12_345), np.float32), np.empty((4, 12_345), np.float32)
+    gram_module.cpu_sums(w, m, split, threads)
+    gram_module.cpu_sums(w, m, whole, 1)
+    assert np.array_equal(split, whole)
+
+
+def test_nan_and_inf_reach_the_weighted_sums():
+    """As in the Gram, only reassociation and contraction are allowed: a bad value in M is not optimised away, even
+    under a zero weight (0 · NaN is NaN), so the pass's check of the sums sees it (relex.fit.passes)."""
+    m = np.ones((6, 2000), dtype=np.float32)
+    m[4, 17] = np.nan
+    m[1, 1500] = np.inf
+    w = np.array([[1, 2, 3, 4, 0, 6], [0, 0, 0, 0, 0, 1]], dtype=np.float32)
+    out = np.empty((2, 2000), np.float32)
+    gram_kernel.weighted_sums(w, m, out)
+    assert np.isnan(out[:, 17]).all()
+    assert np.isinf(out[0, 1500]) and np.isnan(out[1, 1500])  # inf · 0 is NaN
+    assert out[0, 0] == 16.0 and out[1, 0] == 1.0
+
+
+def test_chunk_sums_fills_the_given_memory_and_without_numba_torch_gives_the_same_sums(monkeypatch):
+    m, w = torch.randn(20, 40_000), torch.randn(2, 20)
+    out = torch.empty(2, 40_000)
+    got = gram_module.chunk_sums(w, m, out)
+    assert got.data_ptr() == out.data_ptr()
+    want = reference_sums(w.numpy(), m.numpy())
+    assert np.abs(got.numpy() - want).max() < 1e-4
+    assert np.abs(gram_module.chunk_sums(w, m).numpy() - got.numpy()).max() == 0  # new memory, same bits
+    monkeypatch.setattr(gram_module, "_kernel", lambda: None)
+    assert np.abs(gram_module.chunk_sums(w, m, torch.empty(2, 40_000)).numpy() - want).max() < 1e-4
+    assert np.abs(gram_module.chunk_sums(w, m).numpy() - want).max() < 1e-4

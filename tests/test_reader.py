@@ -132,3 +132,52 @@ def test_a_read_into_a_given_buffer_is_a_view_of_it_when_the_values_fit(tmp_path
     small = reader.read("w", None, buffer)  # 30 values do not fit: new memory, the same values
     assert torch.equal(small, values) and small.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
     assert torch.equal(reader.read("w", (0, 0), buffer), values[:0])
+
+
+@pytest.mark.parametrize("with_bf16", [False, True])
+def test_a_store_mixing_copied_deltas_float32_and_bf16_checkpoints_reads_each_step_as_its_delta(tmp_path, with_bf16):
+    """Rows of float32 files are read straight into the block (every step float32), or each step's tensor is
+    converted (a bf16 checkpoint among them); θ₀ comes off the referenced rows only, row by row for long rows and
+    all at once for short ones (relex.store.SUBTRACT_ROW_BYTES)."""
+    from relex.store import SUBTRACT_ROW_BYTES
+
+    long_row = SUBTRACT_ROW_BYTES // 4 + 3  # float32 values per row: subtracted one row at a time
+    generator = torch.Generator().manual_seed(0)
+    base = {"long": torch.randn(3, long_row, generator=generator), "short": torch.randn(4, 8, generator=generator)}
+    (tmp_path / "base").mkdir()
+    save_file(base, str(tmp_path / "base" / "model.safetensors"))
+    delta = {n: torch.randn(t.shape, generator=generator) * 0.01 for n, t in base.items()}
+    theta = {n: t + torch.randn(t.shape, generator=generator) * 0.01 for n, t in base.items()}
+    theta_bf16 = {n: (t + torch.randn(t.shape, generator=generator) * 0.01).to(torch.bfloat16) for n, t in base.items()}
+    for name, values in (("step-4", theta), ("step-6", theta_bf16)):
+        (tmp_path / name).mkdir()
+        save_file(values, str(tmp_path / name / "model.safetensors"))
+    store = TrajectoryStore.create(tmp_path / "store", base_dir=tmp_path / "base", tensors=checkpoint_infos(tmp_path / "base"))
+    store.append_deltas(2, lambda name: delta[name])
+    store.append_checkpoint(4, tmp_path / "step-4", torch.float32)
+    if with_bf16:
+        store.append_checkpoint(6, tmp_path / "step-6", torch.bfloat16)
+    reader = TrajectoryStore.open(tmp_path / "store").reader()
+    for name in base:
+        for rows in (None, (1, 3)):
+            part = slice(None) if rows is None else slice(*rows)
+            want = torch.stack([
+                delta[name][part].reshape(-1),
+                (theta[name][part] - base[name][part]).reshape(-1),
+                (theta_bf16[name][part].float() - base[name][part]).reshape(-1),
+            ][: 3 if with_bf16 else 2])
+            assert torch.equal(reader.read(name, rows), want), (name, rows)
+
+
+def test_a_store_of_float32_checkpoints_only_subtracts_theta0_from_every_row(planted, tmp_path):
+    base, run, _ = planted
+    assert cli("ingest", run, "--base", base, "--out", tmp_path / "store") == 0
+    store = TrajectoryStore.open(tmp_path / "store")
+    assert {entry.kind for entry in store.entries} == {"checkpoint"}
+    reader = store.reader()
+    base = CheckpointReader(store.base_dir)
+    for name in store.trajectory_names:  # short rows (norms) and long ones alike
+        got = reader.read(name)
+        for i, entry in enumerate(store.entries):
+            theta = CheckpointReader(store.checkpoint_dir(entry)).read(name).float()
+            assert torch.equal(got[i], (theta - base.read(name).float()).reshape(-1)), (name, entry.step)

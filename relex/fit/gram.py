@@ -73,6 +73,35 @@ def cpu_gram(matrix: np.ndarray, threads: int = 1, tile: int | None = None) -> n
     return lower + np.tril(gram, -1).T
 
 
+def chunk_sums(w: torch.Tensor, matrix: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """W · M for one block (W: weights × T, M: T × c, both float32 on one device), into `out` when given (float32,
+    on the host, weights × c). On the CPU by `gram_kernel.weighted_sums` with as many threads as torch would use,
+    elsewhere (a GPU, or without numba) by torch's matrix multiply."""
+    if matrix.device.type == "cpu" and _kernel() is not None and matrix.is_contiguous():
+        if out is None:
+            out = torch.empty(len(w), matrix.shape[1], dtype=torch.float32)
+        cpu_sums(w.numpy(), matrix.numpy(), out.numpy(), torch.get_num_threads())
+        return out
+    if out is None:
+        return (w @ matrix).cpu()
+    if matrix.device.type == "cpu":
+        return torch.matmul(w, matrix, out=out)
+    return out.copy_(w @ matrix)
+
+
+def cpu_sums(w: np.ndarray, matrix: np.ndarray, out: np.ndarray, threads: int = 1) -> None:
+    """W · M into `out` by `gram_kernel.weighted_sums`, M's columns split over threads as `cpu_gram` splits them."""
+    kernel = _kernel()
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    n = matrix.shape[1]
+    parts = max(1, min(threads, n // THREAD_COLUMNS))
+    if parts == 1:
+        kernel.weighted_sums(w, matrix, out)
+        return
+    bounds = [n * i // parts for i in range(parts + 1)]
+    list(_thread_pool().map(lambda i: kernel.weighted_sums(w, matrix, out, bounds[i], bounds[i + 1]), range(parts)))
+
+
 def prepare(device: torch.device) -> None:
     """Load (or, in a fresh install, compile) the CPU kernel now, so that the first block does not wait for it."""
     if device.type == "cpu":
@@ -89,7 +118,9 @@ def _kernel():
     try:
         from relex.fit import gram_kernel  # numba sets up its cache here, at import
 
-        gram_kernel.accumulate(np.ones((5, 3), dtype=np.float32), np.zeros((5, 5)))  # compiles, or loads the cache
+        # compile the kernels, or load them from the cache
+        gram_kernel.accumulate(np.ones((5, 3), dtype=np.float32), np.zeros((5, 5)))
+        gram_kernel.weighted_sums(np.ones((2, 5), dtype=np.float32), np.ones((5, 3), dtype=np.float32), np.zeros((2, 3), dtype=np.float32))
     except ImportError:  # numba is not installed
         return None
     except Exception as error:  # numba's own errors have no common base class
@@ -115,7 +146,7 @@ def check_finite_gram(name: str, gram: np.ndarray, steps) -> None:
 
 
 # the Gram's arithmetic, as a pass (relex.fit.passes) and the store's stream (`TrajectoryReader.stream`) call it
-GRAM = SimpleNamespace(prepare=prepare, chunk_gram=chunk_gram, check=check_finite_gram)
+GRAM = SimpleNamespace(prepare=prepare, chunk_gram=chunk_gram, check=check_finite_gram, chunk_sums=chunk_sums)
 
 
 def tensor_gram(reader, name: str, device: torch.device, max_elements: int) -> np.ndarray:

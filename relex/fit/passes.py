@@ -301,10 +301,11 @@ def run_pass(reader: TrajectoryReader, plan: PassPlan, consumers: Sequence[Consu
              products: ProductBuffers | None = None) -> None:
     """Drive `plan` over `reader`, telling `consumers` what each tensor yields (a progress bar per tensor with `desc`).
 
-    `gram`: the Gram's arithmetic, with `prepare(device)`, `chunk_gram(matrix, device)` and
-    `check(name, gram, steps)` (relex.fit.gram.GRAM); needed when the plan forms Gram matrices. `products`: where
-    the W · M products go; without it each is new memory, which a consumer may keep as long as it likes. With it, a
-    consumer that keeps a product's values past its `sums` call must hold them (`ProductBuffers.hold`).
+    `gram`: the pass's arithmetic, with `prepare(device)`, `chunk_gram(matrix, device)`, `check(name, gram,
+    steps)` and `chunk_sums(w, matrix, out)` (relex.fit.gram.GRAM); needed when the plan forms Gram matrices,
+    and without it W · M is torch's matrix multiply. `products`: where the W · M products go; without it each is
+    new memory, which a consumer may keep as long as it likes. With it, a consumer that keeps a product's values
+    past its `sums` call must hold them (`ProductBuffers.hold`).
     """
     with TrajectoryPass(reader, plan, gram, products) as engine:
         for reads in tqdm(plan.tensors, desc=desc, unit="tensor", leave=False, disable=None if desc else True):
@@ -320,10 +321,9 @@ class TrajectoryPass:
         if gram is None and grams:
             raise ValueError("plan_pass planned Gram matrices; run_pass needs the Gram arithmetic (relex.fit.gram.GRAM)")
         self.reader, self.plan, self.arithmetic, self.device = reader, plan, gram, plan.device
-        work = None
-        if grams:  # load the Gram kernel while the first reads run
+        work = self._block_gram if grams else None
+        if gram is not None:  # load the CPU kernels while the first reads run
             threading.Thread(target=gram.prepare, args=(self.device,), name="relex-prepare", daemon=True).start()
-            work = self._block_gram
         self.buffers = plan.allocate()
         # one buffer for the blocks kept from a partly held trajectory, reused by the next such trajectory: a copy
         # per tensor would be fresh memory each time, and on Linux the kernel maps and zeroes every page of it
@@ -417,10 +417,13 @@ class TrajectoryPass:
                     self.products.release(sums)
 
     def _product(self, w: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
-        """W · M on the host: new memory, or a buffer of `products`."""
-        if self.products is None:
+        """W · M on the host: new memory, or a buffer of `products`; by the arithmetic's `chunk_sums` (on the CPU,
+        relex.fit.gram_kernel's), else torch's matrix multiply."""
+        out = None if self.products is None else self.products.take(len(w) * matrix.shape[1]).view(len(w), matrix.shape[1])
+        if self.arithmetic is not None:
+            return self.arithmetic.chunk_sums(w, matrix, out)
+        if out is None:
             return (w @ matrix).cpu()
-        out = self.products.take(len(w) * matrix.shape[1]).view(len(w), matrix.shape[1])
         if matrix.device.type == "cpu":
             return torch.matmul(w, matrix, out=out)
         return out.copy_(w @ matrix)

@@ -147,6 +147,10 @@ class CheckpointReader:
             raise RelexError(f"{path}: tensor {name} is listed in the index but not in the file")
         return handle
 
+    def file_of(self, name: str) -> SafetensorsFile:
+        """The open file that holds tensor `name` (for reads of many row ranges of it, `SafetensorsFile.fill`)."""
+        return self._handle(name)
+
     def info(self, name: str) -> TensorInfo:
         handle = self._handle(name)
         return TensorInfo(handle.shape(name), handle.dtype(name))

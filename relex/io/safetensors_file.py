@@ -172,9 +172,14 @@ class SafetensorsFile:
         offset, nbytes, _ = self.span(name, rows)
         if out.dtype != self.dtype(name) or not out.is_contiguous() or out.numel() * out.element_size() != nbytes:
             raise ValueError(f"{self.path}: tensor {name}: cannot read {nbytes} bytes of {self.dtype(name)} into {out.dtype} {tuple(out.shape)}")
-        if not nbytes:
-            return
-        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        if nbytes:
+            self.fill(name, offset, memoryview(out.reshape(-1).view(torch.uint8).numpy()))
+
+    def fill(self, name: str, offset: int, view: memoryview) -> None:
+        """Bytes offset..offset+len(view) of the file (a span of tensor `name`, from `span`) into the byte buffer
+        `view`, the caller having checked that they fit: `read_into` without its per-call checks and views, for a
+        caller reading many rows of known layout (relex.store)."""
+        nbytes = len(view)
         if self.direct:
             try:
                 self._read_direct(name, offset, nbytes, view)
