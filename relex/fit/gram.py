@@ -9,6 +9,9 @@ blocks are accumulated in float64, so long runs and large tensors do not lose di
 The pass that builds G is also where non-finite values are caught (ingest does not read them unless asked to):
 a NaN or Inf anywhere in step i's row of M makes G[i, i] = Σ M[i, c]² non-finite, so one look at the diagonal
 names the step, at no cost beyond the product itself (`check_finite_gram`).
+
+A pass's other product, a block's weighted sums W · M (`chunk_sums`), is here too, so that the pass gets all its
+arithmetic from one place (`GRAM`): on the CPU by the kernel's `weighted_sums`, elsewhere by torch.
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ def cpu_sums(w: np.ndarray, matrix: np.ndarray, out: np.ndarray, threads: int = 
 
 
 def prepare(device: torch.device) -> None:
-    """Load (or, in a fresh install, compile) the CPU kernel now, so that the first block does not wait for it."""
+    """Load (or, in a fresh install, compile) the CPU kernels now, so that the first block does not wait for them."""
     if device.type == "cpu":
         _kernel()  # its trial product compiles the kernel or loads it from numba's cache
 
@@ -145,7 +148,8 @@ def check_finite_gram(name: str, gram: np.ndarray, steps) -> None:
         raise RelexError(non_finite_message(name, step))
 
 
-# the Gram's arithmetic, as a pass (relex.fit.passes) and the store's stream (`TrajectoryReader.stream`) call it
+# a pass's arithmetic (the Gram, its check, W · M), as a pass (relex.fit.passes) and the store's stream
+# (`TrajectoryReader.stream`) call it
 GRAM = SimpleNamespace(prepare=prepare, chunk_gram=chunk_gram, check=check_finite_gram, chunk_sums=chunk_sums)
 
 
