@@ -271,3 +271,30 @@ def test_written_checkpoints_equal_the_states_kept_in_memory_with_reused_output_
         for name, values in state.items():
             assert torch.equal(written[name], values), (target, name)
         assert all(torch.equal(written[a], written[canonical]) for a in aliases)
+
+
+def test_narrow_outputs_are_the_float32_outputs_rounded_and_checked_only_when_not_shown_finite(store, tmp_path, monkeypatch):
+    """A bf16 checkpoint is the float32 one rounded, its rounding loss as reported; a block whose rounding errors
+    have a finite sum of squares is not scanned again (relex.extrapolate.extrapolate._Pass.combine), while an fp16
+    output that overflows still is, and is refused."""
+    import relex.extrapolate.extrapolate as extrapolate_module
+
+    scanned = []
+    real_check = extrapolate_module.check_finite
+    monkeypatch.setattr(extrapolate_module, "check_finite", lambda name, values, target: scanned.append(name) or real_check(name, values, target))
+    wide = extrapolate_store(store, tmp_path / "f32", ExtrapolateConfig(targets=[40], dtype="float32"))
+    assert set(store.trajectory_names) <= set(scanned)  # float32 outputs: every block's values are checked
+    scanned.clear()
+    narrow = extrapolate_store(store, tmp_path / "bf16", ExtrapolateConfig(targets=[40], dtype="bf16"))
+    assert not set(store.trajectory_names) & set(scanned)
+    f32, bf16 = (load_file(str(tmp_path / out / "step-40" / "model.safetensors")) for out in ("f32", "bf16"))
+    lost_sq = pred_sq = 0.0
+    for name in store.trajectory_names:
+        assert torch.equal(bf16[name], f32[name].to(torch.bfloat16)), name
+        lost_sq += float((bf16[name].double() - f32[name].double()).pow(2).sum())
+    theta0 = load_file(str(store.base_dir / "model.safetensors"))
+    pred_sq = sum(float((f32[n].double() - theta0[n].double()).pow(2).sum()) for n in store.trajectory_names)
+    assert narrow[0].rounding_loss == pytest.approx((lost_sq / pred_sq) ** 0.5, rel=1e-3)
+    assert wide[0].rounding_loss == 0.0
+    with pytest.raises(Exception, match="overflow float16"):
+        extrapolate_store(store, tmp_path / "fp16", ExtrapolateConfig(targets=[300_000_000], dtype="fp16"))
