@@ -274,9 +274,9 @@ def test_written_checkpoints_equal_the_states_kept_in_memory_with_reused_output_
 
 
 def test_narrow_outputs_are_the_float32_outputs_rounded_and_checked_only_when_not_shown_finite(store, tmp_path, monkeypatch):
-    """A bf16 checkpoint is the float32 one rounded, its rounding loss as reported; a block whose rounding errors
-    have a finite sum of squares is not scanned again (relex.extrapolate.extrapolate._Pass.combine), while an fp16
-    output that overflows still is, and is refused."""
+    """A bf16 checkpoint is the float32 one rounded, its rounding loss as reported, and a float64 one the float32
+    one widened; a block whose rounding errors have a finite sum of squares is not scanned again
+    (relex.extrapolate.extrapolate._Pass.combine), while an fp16 output that overflows still is, and is refused."""
     import relex.extrapolate.extrapolate as extrapolate_module
 
     scanned = []
@@ -296,5 +296,10 @@ def test_narrow_outputs_are_the_float32_outputs_rounded_and_checked_only_when_no
     pred_sq = sum(float((f32[n].double() - theta0[n].double()).pow(2).sum()) for n in store.trajectory_names)
     assert narrow[0].rounding_loss == pytest.approx((lost_sq / pred_sq) ** 0.5, rel=1e-3)
     assert wide[0].rounding_loss == 0.0
+    scanned.clear()
+    extrapolate_store(store, tmp_path / "f64", ExtrapolateConfig(targets=[40], dtype="float64"))
+    assert not set(store.trajectory_names) & set(scanned)
+    f64 = load_file(str(tmp_path / "f64" / "step-40" / "model.safetensors"))
+    assert all(torch.equal(f64[name], f32[name].double()) for name in store.trajectory_names)
     with pytest.raises(Exception, match="overflow float16"):
         extrapolate_store(store, tmp_path / "fp16", ExtrapolateConfig(targets=[300_000_000], dtype="fp16"))
