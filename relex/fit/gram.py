@@ -27,7 +27,15 @@ import numpy as np
 import torch
 
 from relex.errors import RelexError
-from relex.fit.passes import DEFAULT_CHUNK_ELEMENTS, GramCollector, PassBudget, non_finite_message, plan_pass, run_pass
+from relex.fit.passes import (
+    DEFAULT_CHUNK_ELEMENTS,
+    GramCollector,
+    PassBudget,
+    non_finite_message,
+    plan_pass,
+    run_pass,
+    torch_sums,
+)
 
 LOG = logging.getLogger(__name__)
 
@@ -85,11 +93,7 @@ def chunk_sums(w: torch.Tensor, matrix: torch.Tensor, out: torch.Tensor | None =
             out = torch.empty(len(w), matrix.shape[1], dtype=torch.float32)
         cpu_sums(w.numpy(), matrix.numpy(), out.numpy(), torch.get_num_threads())
         return out
-    if out is None:
-        return (w @ matrix).cpu()
-    if matrix.device.type == "cpu":
-        return torch.matmul(w, matrix, out=out)
-    return out.copy_(w @ matrix)
+    return torch_sums(w, matrix, out)
 
 
 def cpu_sums(w: np.ndarray, matrix: np.ndarray, out: np.ndarray, threads: int = 1) -> None:

@@ -420,13 +420,17 @@ class TrajectoryPass:
         """W · M on the host: new memory, or a buffer of `products`; by the arithmetic's `chunk_sums` (on the CPU,
         relex.fit.gram_kernel's), else torch's matrix multiply."""
         out = None if self.products is None else self.products.take(len(w) * matrix.shape[1]).view(len(w), matrix.shape[1])
-        if self.arithmetic is not None:
-            return self.arithmetic.chunk_sums(w, matrix, out)
-        if out is None:
-            return (w @ matrix).cpu()
-        if matrix.device.type == "cpu":
-            return torch.matmul(w, matrix, out=out)
-        return out.copy_(w @ matrix)
+        return (torch_sums if self.arithmetic is None else self.arithmetic.chunk_sums)(w, matrix, out)
+
+
+def torch_sums(w: torch.Tensor, matrix: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """W · M by torch's matrix multiply on the matrix's device, on the host: into `out` (float32, weights × c) when
+    given, else new memory."""
+    if out is None:
+        return (w @ matrix).cpu()
+    if matrix.device.type == "cpu":
+        return torch.matmul(w, matrix, out=out)
+    return out.copy_(w @ matrix)
 
 
 class _Staging:
