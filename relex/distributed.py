@@ -15,9 +15,9 @@ its share of the work, split by bytes (`split_by_bytes`):
 
 Only small things travel between ranks: Gram matrices, the norms of the predicted updates and one status per rank.
 The outputs are byte-identical to one process's: each tensor is computed by the same code on the same row blocks,
-and the sums over tensors are formed on rank 0 in the single process's order. (The CPU Gram kernel splits large
-tensors over threads, which changes the last bits; torchrun starts each rank with OMP_NUM_THREADS=1, so compare
-with a single process run the same way.)
+and the sums over tensors are formed on rank 0 in the single process's order. The CPU kernels give the same bits
+for any number of threads (relex.fit.gram, `PART_COLUMNS`), so a rank's OMP_NUM_THREADS does not matter either;
+torch's product, used without numba, makes no such promise.
 
 A failure on any rank (bad input, a full disk, a bug) is exchanged at the end of the phase it happens in, so every
 rank stops with the same line naming the rank and the cause, and rank 0 removes the temporary output; a rank that

@@ -50,12 +50,44 @@ def test_this_cpu_runs_one_tile_and_each_tile_its_own_sums():
     assert relative_error(grams[3], grams[4]) < 1e-6
 
 
-@pytest.mark.parametrize("threads", [2, 3, 5])
-def test_columns_split_over_threads_give_the_same_gram(monkeypatch, threads):
-    monkeypatch.setattr(gram_module, "THREAD_COLUMNS", 1000)
+@pytest.mark.parametrize("threads", [2, 3, 5, 7, 16])
+def test_columns_split_over_threads_give_the_same_gram_bits(monkeypatch, threads):
+    """A Gram's bits must not depend on the thread count: in a pass a block's Gram is formed by a reader thread
+    (one thread) or by the caller (the others), whichever is free, and a refit must give the same fit."""
+    monkeypatch.setattr(gram_module, "PART_COLUMNS", 1000)
     m = np.random.default_rng(threads).standard_normal((20, 12_345), dtype=np.float32)
     assert relative_error(cpu_gram(m, threads), reference(m)) < 1e-6
-    assert relative_error(cpu_gram(m, threads), cpu_gram(m, 1)) < 1e-6
+    assert np.array_equal(cpu_gram(m, threads), cpu_gram(m, 1))
+
+
+@pytest.mark.parametrize("tile", [3, 4])
+def test_parts_give_the_bits_of_one_pass_over_the_block(tile):
+    """The parts are whole kernel pieces, so splitting changes no float32 sum: the Gram of a fit made before parts
+    existed, on one thread, is the same to the bit."""
+    assert all(gram_module.PART_COLUMNS % piece == 0 for piece in gram_kernel.PIECES.values())
+    m = np.random.default_rng(tile).standard_normal((20, 3 * gram_module.PART_COLUMNS + 123), dtype=np.float32) * 1e-3
+    whole = np.zeros((20, 20))
+    gram_kernel.accumulate(m, whole, tile=tile)
+    whole = np.tril(whole) + np.tril(whole, -1).T
+    for threads in (1, 3):
+        assert np.array_equal(cpu_gram(m, threads, tile), whole)
+
+
+def test_a_blocks_gram_is_the_same_from_any_thread_of_a_pass(monkeypatch):
+    """`chunk_gram` forms a block's Gram with as many threads as torch would use in the calling thread: 1 in a
+    reader, the rest in the caller. Column counts off the part width, and of a whole number of parts."""
+    monkeypatch.setattr(gram_module, "PART_COLUMNS", 1024)
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 1023, 1024, 1025, 4096, 10_000):
+            m = torch.from_numpy(np.random.default_rng(n).standard_normal((20, n), dtype=np.float32))
+            torch.set_num_threads(1)
+            reader = chunk_gram(m, torch.device("cpu"))
+            torch.set_num_threads(7)
+            caller = chunk_gram(m, torch.device("cpu"))
+            assert torch.equal(reader, caller), n
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("tile", [3, 4])
@@ -172,9 +204,9 @@ def test_weighted_sums_write_only_their_columns():
     assert np.abs(out[:, 1000:2500] - reference_sums(w, m[:, 1000:2500])).max() < 1e-4
 
 
-@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("threads", [2, 3, 7])
 def test_weighted_sums_split_over_threads_are_the_same_bits(monkeypatch, threads):
-    monkeypatch.setattr(gram_module, "THREAD_COLUMNS", 1000)
+    monkeypatch.setattr(gram_module, "PART_COLUMNS", 1000)
     m = np.random.default_rng(threads).standard_normal((20, 12_345), dtype=np.float32)
     w = np.random.default_rng(threads + 1).standard_normal((4, 20), dtype=np.float32)
     split, whole = np.empty((4, 12_345), np.float32), np.empty((4, 12_345), np.float32)

@@ -39,8 +39,12 @@ from relex.fit.passes import (
 
 LOG = logging.getLogger(__name__)
 
-# a block is split across threads only when each gets at least this many columns
-THREAD_COLUMNS = 1 << 16
+# a block's columns are formed in parts of this many, the unit of work a thread takes; a Gram is the sum of its
+# parts' Grams, each formed on its own and added in column order, so its bits do not depend on how many threads
+# form it, nor on which of a pass's threads does (a reader with one, the caller with the others: relex.store).
+# A whole number of the kernel's column pieces (gram_kernel.PIECES), within which it sums in float32: its float64
+# sums of those pieces are exact here, so the parts give the bits of one pass over the whole block.
+PART_COLUMNS = 1 << 16
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -67,21 +71,41 @@ def chunk_gram(chunk: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def cpu_gram(matrix: np.ndarray, threads: int = 1, tile: int | None = None) -> np.ndarray:
-    """M Mᵀ in float64 for a C-contiguous float32 M (T × n), by `gram_kernel`, its columns split over threads
-    (`tile`: the kernel's, default this CPU's)."""
+    """M Mᵀ in float64 for a C-contiguous float32 M (T × n), by `gram_kernel`: the Grams of its PART_COLUMNS-wide
+    parts, formed by up to `threads` threads and added in order, so the same bits whatever `threads` is (`tile`:
+    the kernel's, default this CPU's)."""
     kernel = _kernel()
     steps, n = matrix.shape
-    parts = max(1, min(threads, n // THREAD_COLUMNS))
-    if parts == 1:
-        gram = np.zeros((steps, steps))
-        kernel.accumulate(matrix, gram, tile=tile)
-    else:
-        bounds = [n * i // parts for i in range(parts + 1)]
-        grams = np.zeros((parts, steps, steps))
-        list(_thread_pool().map(lambda i: kernel.accumulate(matrix, grams[i], bounds[i], bounds[i + 1], tile), range(parts)))
-        gram = grams.sum(axis=0)
+    bounds = _parts(n)
+    grams = np.zeros((len(bounds) - 1, steps, steps))
+
+    def form(parts: range) -> None:
+        for i in parts:
+            kernel.accumulate(matrix, grams[i], bounds[i], bounds[i + 1], tile)
+
+    _run_split(form, len(grams), threads)
+    gram = grams[0]
+    for part in grams[1:]:  # in column order, as one thread would
+        gram += part
     lower = np.tril(gram)
     return lower + np.tril(gram, -1).T
+
+
+def _parts(n: int) -> list[int]:
+    """The bounds of a block's column parts: PART_COLUMNS wide from column 0, the last one shorter (one part, empty
+    or not, below that)."""
+    return [*range(0, n, PART_COLUMNS), n] if n > PART_COLUMNS else [0, n]
+
+
+def _run_split(form, parts: int, threads: int) -> None:
+    """`form(range of part indices)` over all parts: at once on this thread, or in `threads` consecutive groups on
+    the pool's threads."""
+    groups = max(1, min(threads, parts))
+    if groups == 1:
+        form(range(parts))
+        return
+    edges = [parts * g // groups for g in range(groups + 1)]
+    list(_thread_pool().map(lambda g: form(range(edges[g], edges[g + 1])), range(groups)))
 
 
 def chunk_sums(w: torch.Tensor, matrix: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,16 +121,15 @@ def chunk_sums(w: torch.Tensor, matrix: torch.Tensor, out: torch.Tensor | None =
 
 
 def cpu_sums(w: np.ndarray, matrix: np.ndarray, out: np.ndarray, threads: int = 1) -> None:
-    """W · M into `out` by `gram_kernel.weighted_sums`, M's columns split over threads as `cpu_gram` splits them."""
+    """W · M into `out` by `gram_kernel.weighted_sums`, M's columns in the parts `cpu_gram` forms, over up to
+    `threads` threads (each output value is a sum over the steps of one column: the same bits however split)."""
     kernel = _kernel()
     w = np.ascontiguousarray(w, dtype=np.float32)
-    n = matrix.shape[1]
-    parts = max(1, min(threads, n // THREAD_COLUMNS))
-    if parts == 1:
+    bounds = _parts(matrix.shape[1])
+    if threads <= 1:
         kernel.weighted_sums(w, matrix, out)
         return
-    bounds = [n * i // parts for i in range(parts + 1)]
-    list(_thread_pool().map(lambda i: kernel.weighted_sums(w, matrix, out, bounds[i], bounds[i + 1]), range(parts)))
+    _run_split(lambda parts: kernel.weighted_sums(w, matrix, out, bounds[parts.start], bounds[parts.stop]), len(bounds) - 1, threads)
 
 
 def prepare(device: torch.device) -> None:
