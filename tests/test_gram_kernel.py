@@ -62,8 +62,9 @@ def test_columns_split_over_threads_give_the_same_gram_bits(monkeypatch, threads
 
 @pytest.mark.parametrize("tile", [3, 4])
 def test_parts_give_the_bits_of_one_pass_over_the_block(tile):
-    """The parts are whole kernel pieces, so splitting changes no float32 sum: the Gram of a fit made before parts
-    existed, on one thread, is the same to the bit."""
+    """The parts are whole kernel pieces, so splitting changes no float32 sum, and adding the parts' float64 sums of
+    float32 values of like size is exact: one thread's pass over the whole block (a fit made before parts
+    existed, on two cores) gives the same bits."""
     assert all(gram_module.PART_COLUMNS % piece == 0 for piece in gram_kernel.PIECES.values())
     m = np.random.default_rng(tile).standard_normal((20, 3 * gram_module.PART_COLUMNS + 123), dtype=np.float32) * 1e-3
     whole = np.zeros((20, 20))

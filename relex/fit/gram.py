@@ -42,8 +42,9 @@ LOG = logging.getLogger(__name__)
 # a block's columns are formed in parts of this many, the unit of work a thread takes; a Gram is the sum of its
 # parts' Grams, each formed on its own and added in column order, so its bits do not depend on how many threads
 # form it, nor on which of a pass's threads does (a reader with one, the caller with the others: relex.store).
-# A whole number of the kernel's column pieces (gram_kernel.PIECES), within which it sums in float32: its float64
-# sums of those pieces are exact here, so the parts give the bits of one pass over the whole block.
+# A whole number of the kernel's column pieces (gram_kernel.PIECES), within which it sums in float32, so splitting
+# changes no float32 sum; float64 sums of float32 values of like size are exact, so the parts almost always give
+# the bits of one pass over the whole block too (they did on the SmolLM2 store, for every tensor).
 PART_COLUMNS = 1 << 16
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
