@@ -45,7 +45,7 @@ LOG = logging.getLogger(__name__)
 # A whole number of the kernel's column pieces (gram_kernel.PIECES), within which it sums in float32, so splitting
 # changes no float32 sum; float64 sums of float32 values of like size are exact, so the parts almost always give
 # the bits of one pass over the whole block too (they did on the SmolLM2 store, for every tensor).
-PART_COLUMNS = 1 << 16
+PART_COLUMNS = 1 << 15
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -80,11 +80,7 @@ def cpu_gram(matrix: np.ndarray, threads: int = 1, tile: int | None = None) -> n
     bounds = _parts(n)
     grams = np.zeros((len(bounds) - 1, steps, steps))
 
-    def form(parts: range) -> None:
-        for i in parts:
-            kernel.accumulate(matrix, grams[i], bounds[i], bounds[i + 1], tile)
-
-    _run_split(form, len(grams), threads)
+    _run_parts(lambda i: kernel.accumulate(matrix, grams[i], bounds[i], bounds[i + 1], tile), len(grams), threads)
     gram = grams[0]
     for part in grams[1:]:  # in column order, as one thread would
         gram += part
@@ -98,15 +94,25 @@ def _parts(n: int) -> list[int]:
     return [*range(0, n, PART_COLUMNS), n] if n > PART_COLUMNS else [0, n]
 
 
-def _run_split(form, parts: int, threads: int) -> None:
-    """`form(range of part indices)` over all parts: at once on this thread, or in `threads` consecutive groups on
-    the pool's threads."""
-    groups = max(1, min(threads, parts))
-    if groups == 1:
-        form(range(parts))
+def _run_parts(form, parts: int, threads: int) -> None:
+    """`form(i)` for every part i: in order on this thread, or on up to `threads` of the pool's threads, each taking
+    the next part not yet taken (so a short last part or a slow thread leaves none of them idle for long)."""
+    workers = max(1, min(threads, parts))
+    if workers == 1:
+        for i in range(parts):
+            form(i)
         return
-    edges = [parts * g // groups for g in range(groups + 1)]
-    list(_thread_pool().map(lambda g: form(range(edges[g], edges[g + 1])), range(groups)))
+    todo, lock = iter(range(parts)), threading.Lock()
+
+    def work(_) -> None:
+        while True:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            form(i)
+
+    list(_thread_pool().map(work, range(workers)))
 
 
 def chunk_sums(w: torch.Tensor, matrix: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -130,7 +136,7 @@ def cpu_sums(w: np.ndarray, matrix: np.ndarray, out: np.ndarray, threads: int = 
     if threads <= 1:
         kernel.weighted_sums(w, matrix, out)
         return
-    _run_split(lambda parts: kernel.weighted_sums(w, matrix, out, bounds[parts.start], bounds[parts.stop]), len(bounds) - 1, threads)
+    _run_parts(lambda i: kernel.weighted_sums(w, matrix, out, bounds[i], bounds[i + 1]), len(bounds) - 1, threads)
 
 
 def prepare(device: torch.device) -> None:
