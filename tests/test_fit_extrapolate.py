@@ -65,6 +65,27 @@ def test_chunked_gram_equals_unchunked(store):
         np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=0)  # float32 products, float64 sums
 
 
+def test_a_fit_is_the_same_to_the_bit_with_any_number_of_threads(store, monkeypatch):
+    """In a pass each block's Gram is formed by the reader thread (one thread) or the caller (torch's threads less
+    one), whichever is free, so its bits must not depend on the thread count. Parts of 64 columns split this
+    store's tensors as a model's large ones are."""
+    from relex.fit import gram as gram_module
+
+    monkeypatch.setattr(gram_module, "PART_COLUMNS", 64)
+    before = torch.get_num_threads()
+    try:
+        fits = []
+        for threads in (1, 2, 5):
+            torch.set_num_threads(threads)
+            fits.append(fit_store(store, FitConfig(rank=1)))
+    finally:
+        torch.set_num_threads(before)
+    assert any(store.tensors[n].numel > 3 * 64 for n in store.trajectory_names)  # split into several parts
+    for fit in fits[1:]:
+        for name in store.trajectory_names:
+            assert np.array_equal(fit.grams[name], fits[0].grams[name]), name
+
+
 # small blocks, read twice (from the page cache, when the kept blocks would not reuse their buffer enough) or with
 # their first blocks kept for the sums (direct reads keep them)
 @pytest.mark.parametrize("chunk,io,reuse", [(10**9, "auto", None), (300, "cached", 10**9), (300, "direct", None)])
