@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from relex.extrapolate import ExtrapolateConfig, extrapolate_store
 from relex.fit import FitConfig, FitResult, fit_store
+from relex.fit import gram as gram_module
 from relex.fit.gram import tensor_gram
 from tests.conftest import STEPS, cli
 
@@ -69,8 +70,6 @@ def test_a_fit_is_the_same_to_the_bit_with_any_number_of_threads(store, monkeypa
     """In a pass each block's Gram is formed by the reader thread (one thread) or the caller (torch's threads less
     one), whichever is free, so its bits must not depend on the thread count. Parts of 64 columns split this
     store's tensors as a model's large ones are."""
-    from relex.fit import gram as gram_module
-
     monkeypatch.setattr(gram_module, "PART_COLUMNS", 64)
     before = torch.get_num_threads()
     try:

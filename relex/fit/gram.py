@@ -79,7 +79,6 @@ def cpu_gram(matrix: np.ndarray, threads: int = 1, tile: int | None = None) -> n
     steps, n = matrix.shape
     bounds = _parts(n)
     grams = np.zeros((len(bounds) - 1, steps, steps))
-
     _run_parts(lambda i: kernel.accumulate(matrix, grams[i], bounds[i], bounds[i + 1], tile), len(grams), threads)
     gram = grams[0]
     for part in grams[1:]:  # in column order, as one thread would
