@@ -17,6 +17,7 @@ import datetime
 import logging
 import os
 import signal
+import sys
 from typing import Iterator
 
 import torch
@@ -73,7 +74,7 @@ def process_group() -> Iterator[Ranks]:
 
     Each rank uses its local GPU when there is one (NCCL for CUDA tensors, gloo for the objects exchanged);
     otherwise gloo. SIGTERM (torchrun stopping the ranks after one failed) becomes an error, so temporary outputs
-    are removed on the way out.
+    are removed on the way out; one that arrives while a failure is already being handled lets that clean-up finish.
     """
     import torch.distributed as dist
 
@@ -91,6 +92,12 @@ def process_group() -> Iterator[Ranks]:
     ranks = Ranks(dist.get_rank(), dist.get_world_size())
 
     def stop(signum, frame):
+        if sys.exc_info()[1] is not None:
+            # this rank is already failing and removing what it wrote (torchrun's signal often follows the error
+            # that a dead peer's closed connection raised here): raising now would stop that removal half-way
+            # and leave a temporary output behind. The process exits with its own error once the removal is done.
+            LOG.debug("rank %d: signal %d while already failing: finishing the clean-up first", ranks.rank, signum)
+            return
         raise RankFailed(f"rank {ranks.rank} of {ranks.world}: stopped by signal {signum} (another rank failed)")
 
     previous = signal.signal(signal.SIGTERM, stop)
