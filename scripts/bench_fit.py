@@ -51,6 +51,8 @@ SHAPES = {  # LlamaConfig fields of real models
                          num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
     "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,  # checks the script itself
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
 }
 
 
@@ -157,6 +159,68 @@ def phase_read_files(*folders: str) -> dict:
     return {"seconds": time.perf_counter() - started, "bytes": total}
 
 
+def phase_check(run: str, base: str, out: str, *targets: str) -> dict:
+    """The checkpoints `relex extrapolate` wrote to `out`, against RELEX computed in float64 from the run's
+    checkpoint files and the base by other code: safetensors' own loader, a float64 Gram M Mᵀ and its top
+    eigenvector, a least-squares line through the coefficients (the defaults: rank 1, linear, every step).
+
+    Per target, over the tensors: the largest ‖out − round(θ₀ + Δ̂)‖ / ‖Δ̂‖, where Δ̂ is the float64 prediction and
+    round() writes it in the output's dtype (float32 here), so the error is relex's own, not the output format's;
+    and that format's own loss, the largest ‖round(θ₀ + Δ̂) − (θ₀ + Δ̂)‖ / ‖Δ̂‖. The benchmark's planted deltas are
+    small against θ₀ (on the tiny shape a float32 output alone loses 2.4e-4 of Δ̂ at step 16)."""
+    import numpy as np
+    import torch
+    from safetensors import safe_open
+
+    from relex.synthetic import step_folder
+
+    def tensors(folder: Path) -> dict[str, Path]:
+        files = {}
+        for path in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(path), "pt") as f:
+                files.update(dict.fromkeys(f.keys(), path))
+        return files
+
+    def load(files: dict[str, Path], name: str) -> torch.Tensor:
+        with safe_open(str(files[name]), "pt") as f:
+            return f.get_tensor(name).reshape(-1)
+
+    steps = sorted(int(p.parents[1].name.removeprefix("global_step_")) for p in Path(run).glob("global_step_*/actor/huggingface"))
+    checkpoints = [tensors(step_folder(Path(run), s, "verl")) for s in steps]
+    base_files, outputs = tensors(Path(base)), {t: tensors(Path(out) / f"step-{t}") for t in targets}
+    worst, floor = dict.fromkeys(targets, 0.0), dict.fromkeys(targets, 0.0)
+    piece = 1 << 22  # columns converted to float64 at a time
+    x = np.asarray(steps, float)
+    for name in base_files:
+        theta0 = load(base_files, name)
+        rows = [load(files, name) for files in checkpoints]  # float32, memory-mapped
+        gram = torch.zeros(len(steps), len(steps), dtype=torch.float64)
+        for start in range(0, theta0.numel(), piece):
+            m = torch.stack([r[start:start + piece] for r in rows]).double() - theta0[start:start + piece].double()
+            gram += m @ m.T
+        values, vectors = torch.linalg.eigh(gram)
+        u, sigma = vectors[:, -1], float(values[-1]) ** 0.5
+        if sigma == 0:
+            continue  # a frozen tensor: its output is θ₀, which the tests check
+        line = np.polyfit(x, (u * sigma).numpy(), 1)
+        for target in targets:
+            weights = u * (float(np.polyval(line, float(target))) / sigma)  # Δ̂ = Σ_s w_s δ_s
+            written = load(outputs[target], name)
+            error_sq = floor_sq = delta_sq = 0.0
+            for start in range(0, theta0.numel(), piece):
+                t0 = theta0[start:start + piece].double()
+                m = torch.stack([r[start:start + piece] for r in rows]).double() - t0
+                predicted = weights @ m
+                exact = t0 + predicted
+                rounded = exact.to(written.dtype).double()
+                error_sq += float((written[start:start + piece].double() - rounded).square().sum())
+                floor_sq += float((rounded - exact).square().sum())
+                delta_sq += float(predicted.square().sum())
+            worst[target] = max(worst[target], (error_sq / delta_sq) ** 0.5)
+            floor[target] = max(floor[target], (floor_sq / delta_sq) ** 0.5)
+    return {"tensors": len(base_files), "worst": worst, "format": floor}
+
+
 def phase_ingest(run: str, base: str, store: str, mode: str) -> dict:
     """`mode`: headers (referenced in place), verify (every value scanned) or copy (deltas written into the store)."""
     from relex.ingest import ingest
@@ -169,7 +233,8 @@ def phase_ingest(run: str, base: str, store: str, mode: str) -> dict:
 # what each phase's command imports before it starts (a plain read of the files imports nothing)
 PHASE_MODULES = {"read": ("relex.fit", "relex.store"), "extrapolate": ("relex.extrapolate", "relex.fit", "relex.store"),
                  "ingest": ("relex.ingest",)}
-PHASES = {"read": phase_read, "extrapolate": phase_extrapolate, "read-files": phase_read_files, "ingest": phase_ingest}
+PHASES = {"read": phase_read, "extrapolate": phase_extrapolate, "read-files": phase_read_files, "ingest": phase_ingest,
+          "check": phase_check}
 
 
 def peak_rss_gib() -> float:
@@ -363,6 +428,13 @@ def bench_verl(args) -> None:
     print(f"  fit + extrapolate / read, copied store, page cache:     {copied_s / read_copied_s:7.2f}   (goal <= 2.5)")
     if not storage:
         print("this OS has no posix_fadvise: the page cache could not be dropped, so only warm reads were measured")
+    last = max(int(p.parents[1].name.removeprefix("global_step_")) for p in run.glob("global_step_*/actor/huggingface"))
+    check = run_phase("check", str(run), str(base), str(out), str(2 * last), str(5 * last))
+    print(f"results (the last extrapolation, {'referenced, from storage' if storage else 'copied store'}) against RELEX in "
+          f"float64 from the checkpoint files, each written as float32; largest relative error of {check['tensors']} tensors:")
+    for target, error in check["worst"].items():
+        print(f"  step {target}: {error:.1e}   (goal <= 1e-4: {'met' if error <= 1e-4 else 'NOT MET'}; "
+              f"float32 itself loses up to {check['format'][target]:.1e} of the predicted update)")
 
 
 def _resident_bytes(*folders: Path) -> int | None:
