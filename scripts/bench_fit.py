@@ -21,8 +21,11 @@ checkpoints in verl's layout (`global_step_N/actor/huggingface/`, relex.syntheti
      read of that store's files; with the command's default I/O (`--io auto`, printed: here reads through the
      page cache, checkpoints written direct).
 All of them from the page cache; then 1, `relex ingest` and 3 on the referenced store again from storage, the
-run's and the base's pages dropped before each phase. The ratios (ingest + fit + extrapolate) / read, both ways,
-referenced / copied extrapolation and copied extrapolation / read are formed from medians of the same run.
+run's and the base's pages dropped before each phase, and 3 once more with `--io direct` (O_DIRECT reads, what
+`--io auto` picks for a store larger than the memory available), each with the bytes of the run's files it read
+per second. The ratios (ingest + fit + extrapolate) / read, both ways, referenced / copied extrapolation and copied
+extrapolation / read are formed from medians of the same run. Last, the check (`phase_check`): the last
+extrapolation's checkpoints against RELEX in float64 from the checkpoint files, untimed.
 
 Peak RSS is each phase's own: VmHWM of the phase's process, read by itself at its end. ru_maxrss (RUSAGE_SELF in
 the child, or os.wait4 on it) is not: Linux carries the forking parent's RSS over into it at exec.
@@ -374,7 +377,9 @@ def bench_verl(args) -> None:
         "read every byte of the copied store once": ("read-files", str(copied)),
     }
     from_storage = {"read every byte of the run and the base once": read, "relex ingest (headers: names, shapes, dtypes, sizes)": ingest,
-                    "fit + extrapolate to two targets": extrapolate}
+                    "fit + extrapolate to two targets": extrapolate,
+                    # what --io auto picks for a store larger than the memory available
+                    "fit + extrapolate, reads direct (--io direct)": ("extrapolate", str(store), str(out), args.device, "direct")}
     storage = hasattr(os, "posix_fadvise")
     runs = {("ram", label): [] for label in in_ram} | ({("storage", label): [] for label in from_storage} if storage else {})
     on_copied = [label for label, phase in in_ram.items() if str(copied) in phase]
@@ -414,11 +419,11 @@ def bench_verl(args) -> None:
         cpu = "user {:.1f} + sys {:.1f} s".format(*(median(r[c] for r in results) for c in ("user_s", "sys_s")))
         rss = max(r["peak_rss_gib"] for r in results)
         print(f"  {label:<55} {medians[where, label]:7.2f} s   peak RSS {rss:.2f} GiB  CPU {cpu}  (runs: {_runs(seconds)})")
-        if where == "storage" and label == next(iter(from_storage)):
-            print(f"  {'':<55} {size / medians[where, label] / 1e9:7.2f} GB/s")
+        if where == "storage" and (label == next(iter(from_storage)) or label.startswith("fit")):
+            print(f"  {'':<55} {size / medians[where, label] / 1e9:7.2f} GB/s of the run's files")
     print("ratios:")
     for where in ("ram", "storage") if storage else ("ram",):
-        read_s, ingest_s, fit_s = (medians[where, label] for label in from_storage)
+        read_s, ingest_s, fit_s = (medians[where, label] for label in list(from_storage)[:3])
         print(f"  (ingest + fit + extrapolate) / read, {'from the page cache' if where == 'ram' else 'from storage':<19} "
               f"{(ingest_s + fit_s) / read_s:7.2f}   (goal <= 4)")
     read_s, ingest_s, verify_s, fit_s, copied_s, read_copied_s = (medians["ram", label] for label in in_ram)
@@ -430,7 +435,7 @@ def bench_verl(args) -> None:
         print("this OS has no posix_fadvise: the page cache could not be dropped, so only warm reads were measured")
     last = max(int(p.parents[1].name.removeprefix("global_step_")) for p in run.glob("global_step_*/actor/huggingface"))
     check = run_phase("check", str(run), str(base), str(out), str(2 * last), str(5 * last))
-    print(f"results (the last extrapolation, {'referenced, from storage' if storage else 'copied store'}) against RELEX in "
+    print(f"results (the last extrapolation, {'referenced, --io direct' if storage else 'copied store'}) against RELEX in "
           f"float64 from the checkpoint files, each written as float32; largest relative error of {check['tensors']} tensors:")
     for target, error in check["worst"].items():
         print(f"  step {target}: {error:.1e}   (goal <= 1e-4: {'met' if error <= 1e-4 else 'NOT MET'}; "
