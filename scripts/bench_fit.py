@@ -175,7 +175,7 @@ def phase_check(run: str, base: str, out: str, *targets: str) -> dict:
     import torch
     from safetensors import safe_open
 
-    from relex.synthetic import step_folder
+    from relex.ingest import discover_checkpoints
 
     def tensors(folder: Path) -> dict[str, Path]:
         files = {}
@@ -188,39 +188,41 @@ def phase_check(run: str, base: str, out: str, *targets: str) -> dict:
         with safe_open(str(files[name]), "pt") as f:
             return f.get_tensor(name).reshape(-1)
 
-    steps = sorted(int(p.parents[1].name.removeprefix("global_step_")) for p in Path(run).glob("global_step_*/actor/huggingface"))
-    checkpoints = [tensors(step_folder(Path(run), s, "verl")) for s in steps]
-    base_files, outputs = tensors(Path(base)), {t: tensors(Path(out) / f"step-{t}") for t in targets}
+    found = discover_checkpoints([run])  # the step folders only; their values are read by safetensors below
+    steps, checkpoints = np.asarray([c.step for c in found], float), [tensors(c.folder) for c in found]
+    base_files, outputs = tensors(Path(base)), [tensors(Path(out) / f"step-{t}") for t in targets]
     worst, floor = dict.fromkeys(targets, 0.0), dict.fromkeys(targets, 0.0)
     piece = 1 << 22  # columns converted to float64 at a time
-    x = np.asarray(steps, float)
+
+    def deltas(theta0: torch.Tensor, rows: list[torch.Tensor]):
+        """(θ₀, M) in float64, one piece of columns at a time."""
+        for start in range(0, theta0.numel(), piece):
+            t0 = theta0[start:start + piece].double()
+            yield start, t0, torch.stack([r[start:start + piece] for r in rows]).double() - t0
+
     for name in base_files:
         theta0 = load(base_files, name)
         rows = [load(files, name) for files in checkpoints]  # float32, memory-mapped
-        gram = torch.zeros(len(steps), len(steps), dtype=torch.float64)
-        for start in range(0, theta0.numel(), piece):
-            m = torch.stack([r[start:start + piece] for r in rows]).double() - theta0[start:start + piece].double()
-            gram += m @ m.T
+        gram = sum(m @ m.T for _, _, m in deltas(theta0, rows))
         values, vectors = torch.linalg.eigh(gram)
         u, sigma = vectors[:, -1], float(values[-1]) ** 0.5
         if sigma == 0:
             continue  # a frozen tensor: its output is θ₀, which the tests check
-        line = np.polyfit(x, (u * sigma).numpy(), 1)
-        for target in targets:
-            weights = u * (float(np.polyval(line, float(target))) / sigma)  # Δ̂ = Σ_s w_s δ_s
-            written = load(outputs[target], name)
-            error_sq = floor_sq = delta_sq = 0.0
-            for start in range(0, theta0.numel(), piece):
-                t0 = theta0[start:start + piece].double()
-                m = torch.stack([r[start:start + piece] for r in rows]).double() - t0
-                predicted = weights @ m
+        line = np.polyfit(steps, (u * sigma).numpy(), 1)
+        # Δ̂ = Σ_s w_s δ_s for every target at once: one row of weights per target
+        weights = torch.stack([u * (float(np.polyval(line, float(t))) / sigma) for t in targets])
+        written = [load(files, name) for files in outputs]
+        error_sq, floor_sq, delta_sq = (np.zeros(len(targets)) for _ in range(3))
+        for start, t0, m in deltas(theta0, rows):
+            for i, predicted in enumerate(weights @ m):
                 exact = t0 + predicted
-                rounded = exact.to(written.dtype).double()
-                error_sq += float((written[start:start + piece].double() - rounded).square().sum())
-                floor_sq += float((rounded - exact).square().sum())
-                delta_sq += float(predicted.square().sum())
-            worst[target] = max(worst[target], (error_sq / delta_sq) ** 0.5)
-            floor[target] = max(floor[target], (floor_sq / delta_sq) ** 0.5)
+                rounded = exact.to(written[i].dtype).double()
+                error_sq[i] += float((written[i][start:start + piece].double() - rounded).square().sum())
+                floor_sq[i] += float((rounded - exact).square().sum())
+                delta_sq[i] += float(predicted.square().sum())
+        for i, target in enumerate(targets):
+            worst[target] = max(worst[target], float(error_sq[i] / delta_sq[i]) ** 0.5)
+            floor[target] = max(floor[target], float(floor_sq[i] / delta_sq[i]) ** 0.5)
     return {"tensors": len(base_files), "worst": worst, "format": floor}
 
 
@@ -433,7 +435,9 @@ def bench_verl(args) -> None:
     print(f"  fit + extrapolate / read, copied store, page cache:     {copied_s / read_copied_s:7.2f}   (goal <= 2.5)")
     if not storage:
         print("this OS has no posix_fadvise: the page cache could not be dropped, so only warm reads were measured")
-    last = max(int(p.parents[1].name.removeprefix("global_step_")) for p in run.glob("global_step_*/actor/huggingface"))
+    from relex.ingest import discover_checkpoints
+
+    last = discover_checkpoints([run])[-1].step
     check = run_phase("check", str(run), str(base), str(out), str(2 * last), str(5 * last))
     print(f"results (the last extrapolation, {'referenced, --io direct' if storage else 'copied store'}) against RELEX in "
           f"float64 from the checkpoint files, each written as float32; largest relative error of {check['tensors']} tensors:")

@@ -131,10 +131,10 @@ def cpu_sums(w: np.ndarray, matrix: np.ndarray, out: np.ndarray, threads: int = 
     `threads` threads (each output value is a sum over the steps of one column: the same bits however split)."""
     kernel = _kernel()
     w = np.ascontiguousarray(w, dtype=np.float32)
-    bounds = _parts(matrix.shape[1])
     if threads <= 1:
         kernel.weighted_sums(w, matrix, out)
         return
+    bounds = _parts(matrix.shape[1])
     _run_parts(lambda i: kernel.weighted_sums(w, matrix, out, bounds[i], bounds[i + 1]), len(bounds) - 1, threads)
 
 
