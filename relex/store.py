@@ -46,7 +46,7 @@ from relex.io.dtypes import SAFETENSORS_TO_TORCH, dtype_name, from_name
 from relex.io.safetensors_file import SafetensorsFile
 from relex.io.stream_writer import StreamingSafetensorsWriter
 from relex.io.verl_shards import open_checkpoint
-from relex.util import is_int, is_positive_int
+from relex.util import is_int, is_positive_int, most_common_float_dtype
 
 LOG = logging.getLogger(__name__)
 
@@ -510,7 +510,16 @@ class TrajectoryReader:
             folder = self.store.checkpoint_dir(entry)
             if not folder.is_dir():
                 raise self.store.missing_reference(folder, f"the checkpoint of step {entry.step}")
-            return open_checkpoint(folder, self.direct)  # safetensors, or verl's unmerged shards
+            reader = open_checkpoint(folder, self.direct)  # safetensors, or verl's unmerged shards
+            # the dtype most of its weights had at ingest (what shapes are to `_float32_files`): a checkpoint saved
+            # again in another precision since then holds other values than the ones ingested
+            now = most_common_float_dtype(info.dtype for info in reader.infos().values())
+            if entry.source_dtype is not None and now is not None and dtype_name(now) != entry.source_dtype:
+                raise RelexError(
+                    f"{folder}: step {entry.step}'s weights are {dtype_name(now)} now, {entry.source_dtype} when it was "
+                    f"ingested: the checkpoint changed after ingest; ingest the run again"
+                )
+            return reader
         return CheckpointReader.from_file(self.store.path / entry.path, self.direct)
 
     @property
@@ -588,7 +597,10 @@ class TrajectoryReader:
         for entry, source in zip(self.entries, self._sources):
             info = source.info(name)
             if entry.kind == "checkpoint" and info.shape != expected:  # checked at ingest; the folder may have changed
-                raise RelexError(f"tensor {name}: shape {info.shape} at step {entry.step}, {expected} at base")
+                raise RelexError(
+                    f"tensor {name}: shape {info.shape} at step {entry.step}, {expected} at base "
+                    f"({self.store.checkpoint_dir(entry)} changed after ingest; ingest the run again)"
+                )
             if files is not None and info.dtype == torch.float32 and isinstance(source, CheckpointReader):
                 files.append(source.file_of(name))
             else:

@@ -124,6 +124,33 @@ def test_a_referenced_checkpoint_deleted_after_ingest(planted, store, tmp_path, 
     assert "checkpoint-9" in message
 
 
+@pytest.mark.parametrize("command", ["fit", "extrapolate", "backtest"])
+@pytest.mark.parametrize(
+    "damage,words",
+    [
+        ("cut short", "corrupt or truncated safetensors file"),
+        ("a tensor's shape", "shape (31,) at step 9, (32,) at base"),
+        ("saved again in bf16", "step 9's weights are bfloat16 now, float32 when it was ingested"),
+    ],
+    ids=["cut-short", "shape", "bf16"],
+)
+def test_a_referenced_checkpoint_changed_after_ingest(planted, store, tmp_path, capsys, command, damage, words):
+    _, run, _ = planted
+    path = run / "checkpoint-9" / "model.safetensors"
+    if damage == "cut short":
+        path.write_bytes(path.read_bytes()[:-4096])
+    elif damage == "a tensor's shape":
+        edit(path.parent, lambda t: t.__setitem__("model.norm.weight", t["model.norm.weight"][:-1].clone()))
+    else:
+        edit(path.parent, lambda t: t.update({name: values.bfloat16() for name, values in t.items()}))
+    args = {"extrapolate": ["--targets", "50"], "backtest": ["--observe-until", "13"]}.get(command, [])
+    out = tmp_path / ("o.json" if command == "backtest" else "o")
+    message = run_fails(capsys, command, store, *args, "--out", out, out=out)
+    assert "checkpoint-9" in message and words in message
+    if damage != "cut short":
+        assert "changed after ingest" in message
+
+
 def test_a_full_disk_while_writing_leaves_nothing(store, tmp_path, capsys, monkeypatch):
     from relex.io.stream_writer import StreamingSafetensorsWriter
 
