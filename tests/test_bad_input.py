@@ -89,6 +89,18 @@ def test_nan_or_inf_ingested_without_verify_is_refused_by_the_pass(planted, tmp_
     assert message.count("\n") == 0 and name in message and "NaN or Inf at step 13" in message
 
 
+def test_nan_ingested_without_verify_is_refused_by_the_trajectory_plot(planted, tmp_path, capsys):
+    base, run, _ = planted
+    store, fit = tmp_path / "store", tmp_path / "fit"
+    assert cli("ingest", run, "--base", base, "--out", store) == 0
+    assert cli("fit", store, "--out", fit) == 0
+    name = "model.layers.1.self_attn.v_proj.weight"
+    edit(run / "checkpoint-13", lambda t: t[name].__setitem__((3, 4), math.nan))
+    out = tmp_path / "trajectory.png"
+    message = run_fails(capsys, "plot", "trajectory", store, "--fit", fit, "--tensors", name, "--out", out, out=out)
+    assert name in message and "NaN or Inf at step 13" in message
+
+
 def test_ingest_without_verify_scans_no_values(planted, tmp_path, monkeypatch):
     """Without --verify ingest reads headers; the only values it reads are first rows (and equal tensors whole) to
     find ties, a small part of the run, where a scan reads every byte."""
