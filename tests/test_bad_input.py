@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import cli
@@ -66,6 +67,36 @@ def test_nan_or_inf_refused_at_ingest_with_verify(planted, tmp_path, capsys, val
     edit(run / "checkpoint-13", poison)
     message = run_fails(capsys, "ingest", run, "--base", base, "--out", tmp_path / "s", "--verify", out=tmp_path / "s")
     assert name in message and "step 13" in message and "NaN or Inf" in message
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_verify_scans_each_dtype_and_refuses_only_non_finite_values(tmp_path, dtype):
+    """`--verify` sums each tensor in float32 and looks value by value only when the sum is not finite: values
+    whose sum overflows are accepted, one NaN or Inf among them is named, and tensors of integers are skipped."""
+    from relex.errors import RelexError
+    from relex.ingest import Checkpoint, ValueScan
+    from relex.io.checkpoint import CheckpointReader
+
+    big = torch.finfo(dtype).max
+    tensors = {
+        "a.weight": torch.full((64, 8), big, dtype=dtype),  # finite; in float32 and bf16 their sum overflows
+        "b.weight": torch.randn(5, dtype=torch.float32).to(dtype),
+        "c.positions": torch.arange(7, dtype=torch.int64),
+        "d.scalar": torch.tensor(2.0, dtype=dtype),
+    }
+    folder = tmp_path / "checkpoint-3"
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"))
+    checkpoint = Checkpoint(step=3, folder=folder, layout="plain")
+    scan = ValueScan()
+    with CheckpointReader(folder) as reader:
+        scan(reader, checkpoint, sorted(tensors))
+    for value in (math.nan, math.inf, -math.inf):
+        tensors["a.weight"][63, 7] = value
+        save_file(tensors, str(folder / "model.safetensors"))
+        with CheckpointReader(folder) as reader, pytest.raises(RelexError, match="step 3.*tensor a.weight has NaN or Inf"):
+            scan(reader, checkpoint, sorted(tensors))  # the buffer of the earlier scans, reused
+        tensors["a.weight"][63, 7] = big
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
