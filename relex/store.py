@@ -273,21 +273,24 @@ class TrajectoryStore:
         delta_of: Callable[[str], torch.Tensor],
         dtype: torch.dtype | None = None,
         source_dtype: torch.dtype | None = None,
+        direct: bool = False,
     ) -> StepEntry:
-        """Record step `step` from `delta_of(name)` (θ_step − θ₀ for each trajectory tensor), one tensor at a time.
+        """Record step `step` from `delta_of(name)` (θ_step − θ₀ for each trajectory tensor), one tensor at a time:
+        each is written before the next is asked for, so `delta_of` may reuse its memory.
 
         `dtype` is the stored precision (default float32); when it is lower, the relative quantization error
-        ‖q(Δ) − Δ‖/‖Δ‖ is measured and kept in the manifest.
+        ‖q(Δ) − Δ‖/‖Δ‖ is measured and kept in the manifest. `direct`: the file is written past the page cache
+        where the file system allows (relex.io.stream_writer).
         """
         with self._writing():
             self._check_new_step(step)
-            relative, quantization = self._write_deltas(step, delta_of, dtype or torch.float32)
+            relative, quantization = self._write_deltas(step, delta_of, dtype or torch.float32, direct)
             source = dtype_name(source_dtype) if source_dtype is not None else None
             entry = StepEntry(step, "delta", str(relative), dtype_name(dtype or torch.float32), quantization, source)
             self._add(entry)
         return entry
 
-    def _write_deltas(self, step: int, delta_of: Callable[[str], torch.Tensor], dtype: torch.dtype) -> tuple[Path, float | None]:
+    def _write_deltas(self, step: int, delta_of: Callable[[str], torch.Tensor], dtype: torch.dtype, direct: bool) -> tuple[Path, float | None]:
         """Write deltas/step-N.safetensors (under a temporary name, then renamed); returns it and the quantization error."""
         infos = self.tensors
         layout = [(n, TensorInfo(infos[n].shape, dtype)) for n in self.trajectory_names]
@@ -297,7 +300,7 @@ class TrajectoryStore:
         clean_leftovers_inside(final.parent)  # temporary files of writers that were killed
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}")
         try:
-            writer = StreamingSafetensorsWriter(tmp, layout, {"format": "pt", "step": str(step)})
+            writer = StreamingSafetensorsWriter(tmp, layout, {"format": "pt", "step": str(step)}, direct=direct)
         except OSError as error:
             raise RelexError(f"{self.path}: cannot write step {step} ({error.strerror or error})") from None
         error_sq = norm_sq = 0.0
@@ -306,7 +309,7 @@ class TrajectoryStore:
                 delta = delta_of(name).detach().to("cpu", torch.float32)
                 if tuple(delta.shape) != info.shape:
                     raise RelexError(f"tensor {name}: shape {tuple(delta.shape)} at step {step}, {info.shape} at base")
-                if not torch.isfinite(delta).all():
+                if not all_finite(delta):
                     raise RelexError(f"tensor {name}: NaN or Inf in the delta at step {step}")
                 stored = delta.to(dtype)
                 if dtype != torch.float32:
@@ -379,6 +382,14 @@ _ENTRY_REQUIRED = ("step", "kind", "path", "dtype")
 _ENTRY_FIELDS = {"step", "kind", "path", "dtype", "quantization_error", "source_dtype", "absolute"}
 _DTYPES = {dtype_name(t) for t in SAFETENSORS_TO_TORCH.values()}
 MAX_STEP = 2**63 - 1
+
+
+def all_finite(values: torch.Tensor) -> bool:
+    """Whether every value is finite: their sum in float32 (at least) first, one read of them and nothing allocated,
+    since a NaN or Inf makes it non-finite; value by value only when it is not, which finite values that overflow
+    the sum can also make it. `torch.isfinite(values).all()` allocates a mask and reads the values three times."""
+    total = float(values.sum(dtype=torch.promote_types(values.dtype, torch.float32)))
+    return math.isfinite(total) or bool(torch.isfinite(values).all())
 
 
 def read_manifest(path: Path) -> dict:

@@ -194,3 +194,27 @@ def test_extrapolate_writes_direct_unless_io_is_cached(store, tmp_path, monkeypa
         for path in folders[io]:
             assert (out / path).read_bytes() == (tmp_path / "out-auto" / path).read_bytes(), path
     assert folders["auto"] == folders["direct"] == folders["cached"] != []
+
+
+def test_ingest_copy_writes_direct_unless_io_is_cached(planted, tmp_path, monkeypatch):
+    """`relex ingest --copy` writes the deltas past the page cache by default (`--io auto` or `direct`), through it
+    with `--io cached`; the stores' files are the same either way, and torch's thread count is as it was."""
+    base, run, _ = planted
+    seen = []
+    real_init = StreamingSafetensorsWriter.__init__
+
+    def spy(self, *args, direct=False, **kwargs):
+        seen.append(direct)
+        real_init(self, *args, direct=direct, **kwargs)
+
+    monkeypatch.setattr(StreamingSafetensorsWriter, "__init__", spy)
+    threads = torch.get_num_threads()
+    files = {}
+    for io in ("auto", "direct", "cached"):
+        seen.clear()
+        out = tmp_path / f"store-{io}"
+        assert cli("ingest", run, "--base", base, "--out", out, "--copy", "--io", io) == 0
+        assert torch.get_num_threads() == threads
+        assert seen and set(seen) == {io != "cached"}
+        files[io] = {p.name: p.read_bytes() for p in (out / "deltas").iterdir()}
+    assert files["auto"] == files["direct"] == files["cached"] and len(files["auto"]) == len(TrajectoryStore.open(out).steps)

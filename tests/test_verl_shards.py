@@ -87,9 +87,12 @@ def test_ingested_shards_equal_the_merged_run(runs, tmp_path):
     assert shards.steps == folders.steps == VERL_STEPS
     assert all(e.kind == "checkpoint" for e in shards.entries)  # referenced in place: no second copy
     assert list(shards.checkpoint_dir(shards.entries[0]).glob("*.pt"))
-    one, two = shards.reader(), folders.reader()
+    assert cli("ingest", sharded, "--base", base, "--out", tmp_path / "copied-shards", "--copy") == 0
+    copied = TrajectoryStore.open(tmp_path / "copied-shards")
+    one, two, three = shards.reader(), folders.reader(), copied.reader()
     for name in folders.trajectory_names:
         assert torch.equal(one.read(name), two.read(name)), name
+        assert torch.equal(three.read(name), two.read(name)), name
     for name in ("from-shards", "from-merged"):
         assert cli("fit", tmp_path / name, "--out", tmp_path / f"fit-{name}") == 0
     assert (tmp_path / "fit-from-shards" / "gram.safetensors").read_bytes() == (tmp_path / "fit-from-merged" / "gram.safetensors").read_bytes()

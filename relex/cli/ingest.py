@@ -3,6 +3,7 @@
 from relex.ingest import ingest, parse_steps
 from relex.io.hub import expand_revisions
 from relex.present import show, store_summary
+from relex.store import IO_MODES
 
 
 def add_arguments(parser):
@@ -27,6 +28,11 @@ def add_arguments(parser):
         "checked, and the fit or extrapolation that reads the values refuses them, naming the tensor and step)",
     )
     parser.add_argument(
+        "--io", default="auto", choices=IO_MODES,
+        help="with --copy: how the deltas are written; auto and direct go past the page cache (O_DIRECT, where the file "
+        "system allows), cached through it (default: auto)",
+    )
+    parser.add_argument(
         "--repoint", action="store_true",
         help="point the existing store --out at the same checkpoints in a new place (a run folder that moved)",
     )
@@ -36,6 +42,6 @@ def run(args):
     store = ingest(
         args.checkpoints, args.base, args.out, steps=parse_steps(args.steps), copy=args.copy,
         delta_dtype=args.delta_dtype, overwrite=args.overwrite, repoint=args.repoint,
-        revisions=expand_revisions(args.revisions) if args.revisions is not None else None, verify=args.verify,
+        revisions=expand_revisions(args.revisions) if args.revisions is not None else None, verify=args.verify, io=args.io,
     )
     show(store_summary(store, repointed_at=args.checkpoints if args.repoint else None))

@@ -51,7 +51,7 @@ from relex.io.dtypes import dtype_name, parse_dtype
 from relex.io.hf_folder import HFFolderWriter, model_order, parse_size
 from relex.io.stream_writer import WriteBehind, writes_direct
 from relex.settings import setting
-from relex.store import TrajectoryStore
+from relex.store import TrajectoryStore, all_finite
 from relex.util import comma_list, module_type, most_common_float_dtype
 
 LOG = logging.getLogger(__name__)
@@ -417,15 +417,11 @@ def _write_targets(state: _Pass, out_dir: Path, max_shard: int) -> FitResult | N
 
 
 def check_finite(name: str, values: torch.Tensor, target: int) -> None:
-    """Refuse an output value the output dtype cannot hold (an overflow to Inf), naming the tensor and target.
-
-    A sum is the cheap test (one pass, nothing allocated): only when it is not finite are the values scanned, since
-    a sum of finite values can overflow too.
-    """
+    """Refuse an output value the output dtype cannot hold (an overflow to Inf), naming the tensor and target
+    (`all_finite`: a sum first, the values one by one only when it is not finite)."""
     if not values.is_floating_point():
         return
-    total = float(values.sum(dtype=torch.promote_types(values.dtype, torch.float32)))
-    if not math.isfinite(total) and not torch.isfinite(values).all():
+    if not all_finite(values):
         largest = torch.finfo(values.dtype).max
         raise RelexError(
             f"tensor {name} at step {target}: the extrapolated weights overflow {dtype_name(values.dtype)} "
