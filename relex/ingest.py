@@ -23,6 +23,7 @@ the steps the first one wrote. `--repoint` points an existing store at a run tha
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 from dataclasses import dataclass
@@ -378,12 +379,13 @@ def _store_lock_if_store(out: Path):
 
 def _record(store: TrajectoryStore, base_reader: CheckpointReader, readers: list, copy: bool, stored_dtype, io: str) -> None:
     todo = [(c, r, i) for c, r, i in readers if c.step not in store.steps]
+    deltas = _Deltas(base_reader)
     with _one_torch_thread() if copy else contextlib.nullcontext():
         for checkpoint, reader, infos in tqdm(todo, desc="ingest: recording", unit="step", leave=False, disable=None):
             source_dtype = most_common_float_dtype(info.dtype for info in infos.values())
             if copy:
-                deltas = _Deltas(base_reader, reader)
-                entry = store.append_deltas(checkpoint.step, deltas, stored_dtype, source_dtype, direct=writes_direct(io))
+                delta_of = functools.partial(deltas, reader)
+                entry = store.append_deltas(checkpoint.step, delta_of, stored_dtype, source_dtype, direct=writes_direct(io))
             else:
                 entry = store.append_checkpoint(checkpoint.step, checkpoint.folder, source_dtype)
             LOG.debug("step %d: %s", entry.step, entry.kind)
@@ -448,12 +450,13 @@ def repoint_store(paths: list[str | Path], base: str, out: Path, steps: list[int
 
 
 class _Deltas:
-    """θ_s − θ₀ of each tensor of one checkpoint as float32, for `--copy` (TrajectoryStore.append_deltas writes each
-    before it asks for the next): formed in two buffers reused from tensor to tensor, since new memory costs a page
-    fault per 4 KiB, and a new tensor per read, per conversion and for the difference made three of them."""
+    """θ_s − θ₀ of a tensor as float32 (`deltas(reader, name)`), for `--copy`: TrajectoryStore.append_deltas writes
+    each before it asks for the next, so they are formed in two buffers reused from tensor to tensor and from step
+    to step. New memory costs a page fault per 4 KiB, and a new tensor per read, per conversion and for the
+    difference made three of them."""
 
-    def __init__(self, base: CheckpointReader, reader: CheckpointReader):
-        self.base, self.reader = base, reader
+    def __init__(self, base: CheckpointReader):
+        self.base = base
         self.buffers = [torch.empty(0, dtype=torch.float32), torch.empty(0, dtype=torch.float32)]
 
     def _float32(self, source, name: str, k: int) -> torch.Tensor:
@@ -467,5 +470,5 @@ class _Deltas:
             out.copy_(source.read(name))
         return out
 
-    def __call__(self, name: str) -> torch.Tensor:
-        return self._float32(self.reader, name, 0).sub_(self._float32(self.base, name, 1))
+    def __call__(self, reader: CheckpointReader, name: str) -> torch.Tensor:
+        return self._float32(reader, name, 0).sub_(self._float32(self.base, name, 1))
