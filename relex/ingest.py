@@ -45,7 +45,7 @@ from relex.io.hub import (
 )
 from relex.io.stream_writer import writes_direct
 from relex.io.verl_shards import open_checkpoint, shard_files
-from relex.store import IO_MODES, MANIFEST_NAME, MAX_STEP, TrajectoryStore, all_finite, is_store
+from relex.store import MANIFEST_NAME, MAX_STEP, TrajectoryStore, all_finite, check_io_mode, is_store
 from relex.util import comma_list, most_common_float_dtype
 
 LOG = logging.getLogger(__name__)
@@ -330,8 +330,7 @@ def ingest(
     `io`: how `copy` writes the deltas (relex.store.IO_MODES): past the page cache (O_DIRECT, where the file system
     allows) unless `cached`.
     """
-    if io not in IO_MODES:
-        raise RelexError(f"unknown I/O mode {io!r}; valid: {', '.join(IO_MODES)}")
+    check_io_mode(io)
     out = Path(out)
     if repoint:
         return repoint_store(paths, base, out, steps)

@@ -251,8 +251,7 @@ class TrajectoryStore:
         the next pass anyway and copying through it only costs CPU; cached otherwise, so a fit followed by an
         extrapolation reads the second time from RAM.
         """
-        if io not in IO_MODES:
-            raise RelexError(f"unknown I/O mode {io!r}; valid: {', '.join(IO_MODES)}")
+        check_io_mode(io)
         if io == "auto":
             available = memory_available()
             return available is not None and self.data_bytes() > available
@@ -382,6 +381,12 @@ _ENTRY_REQUIRED = ("step", "kind", "path", "dtype")
 _ENTRY_FIELDS = {"step", "kind", "path", "dtype", "quantization_error", "source_dtype", "absolute"}
 _DTYPES = {dtype_name(t) for t in SAFETENSORS_TO_TORCH.values()}
 MAX_STEP = 2**63 - 1
+
+
+def check_io_mode(io: str) -> None:
+    """Refuse an I/O mode that is not one of IO_MODES, in one line listing them."""
+    if io not in IO_MODES:
+        raise RelexError(f"unknown I/O mode {io!r}; valid: {', '.join(IO_MODES)}")
 
 
 def all_finite(values: torch.Tensor) -> bool:

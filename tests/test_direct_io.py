@@ -173,9 +173,9 @@ def test_a_failed_direct_write_is_raised_and_the_file_removed(tmp_path, monkeypa
     assert not (tmp_path / "full.safetensors").exists()
 
 
-def test_extrapolate_writes_direct_unless_io_is_cached(store, tmp_path, monkeypatch):
-    """`--io auto` (the default) and `direct` write checkpoints past the page cache, `cached` through it; the files
-    are the same either way."""
+@pytest.fixture
+def direct_flags(monkeypatch) -> list[bool]:
+    """The `direct` argument of every StreamingSafetensorsWriter made from here on, in order."""
     seen = []
     real_init = StreamingSafetensorsWriter.__init__
 
@@ -184,6 +184,13 @@ def test_extrapolate_writes_direct_unless_io_is_cached(store, tmp_path, monkeypa
         real_init(self, *args, direct=direct, **kwargs)
 
     monkeypatch.setattr(StreamingSafetensorsWriter, "__init__", spy)
+    return seen
+
+
+def test_extrapolate_writes_direct_unless_io_is_cached(store, tmp_path, direct_flags):
+    """`--io auto` (the default) and `direct` write checkpoints past the page cache, `cached` through it; the files
+    are the same either way."""
+    seen = direct_flags
     folders = {}
     for io in ("auto", "direct", "cached"):
         seen.clear()
@@ -196,18 +203,11 @@ def test_extrapolate_writes_direct_unless_io_is_cached(store, tmp_path, monkeypa
     assert folders["auto"] == folders["direct"] == folders["cached"] != []
 
 
-def test_ingest_copy_writes_direct_unless_io_is_cached(planted, tmp_path, monkeypatch):
+def test_ingest_copy_writes_direct_unless_io_is_cached(planted, tmp_path, direct_flags):
     """`relex ingest --copy` writes the deltas past the page cache by default (`--io auto` or `direct`), through it
     with `--io cached`; the stores' files are the same either way, and torch's thread count is as it was."""
     base, run, _ = planted
-    seen = []
-    real_init = StreamingSafetensorsWriter.__init__
-
-    def spy(self, *args, direct=False, **kwargs):
-        seen.append(direct)
-        real_init(self, *args, direct=direct, **kwargs)
-
-    monkeypatch.setattr(StreamingSafetensorsWriter, "__init__", spy)
+    seen = direct_flags
     threads = torch.get_num_threads()
     files = {}
     for io in ("auto", "direct", "cached"):
@@ -218,3 +218,12 @@ def test_ingest_copy_writes_direct_unless_io_is_cached(planted, tmp_path, monkey
         assert seen and set(seen) == {io != "cached"}
         files[io] = {p.name: p.read_bytes() for p in (out / "deltas").iterdir()}
     assert files["auto"] == files["direct"] == files["cached"] and len(files["auto"]) == len(TrajectoryStore.open(out).steps)
+
+
+def test_ingest_refuses_an_unknown_io_mode_before_reading_anything(planted, tmp_path):
+    from relex.ingest import ingest
+
+    base, run, _ = planted
+    with pytest.raises(RelexError, match="unknown I/O mode 'cahced'; valid: auto, direct, cached"):
+        ingest([run], str(base), tmp_path / "store", copy=True, io="cahced")
+    assert not (tmp_path / "store").exists()
