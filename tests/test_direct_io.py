@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import multiprocessing
 import os
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -171,6 +175,136 @@ def test_a_failed_direct_write_is_raised_and_the_file_removed(tmp_path, monkeypa
         writer.close()
     writer.abort()
     assert not (tmp_path / "full.safetensors").exists()
+
+
+@pytest.fixture
+def stage_writes(monkeypatch) -> list[tuple[int, str]]:
+    """(offset, thread name) of every full stage a direct file writes, stages one block (DIRECT_ALIGN) long."""
+    monkeypatch.setattr(stream_writer, "DIRECT_STAGE", DIRECT_ALIGN)
+    seen, real = [], stream_writer._write_all
+
+    def spy(fd, data, offset):
+        if len(data) == DIRECT_ALIGN and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            seen.append((offset, threading.current_thread().name))
+        real(fd, data, offset)
+
+    monkeypatch.setattr(stream_writer, "_write_all", spy)
+    return seen
+
+
+def test_full_stages_after_the_first_are_written_behind(tmp_path, stage_writes):
+    """The first block is written by the caller (where a file system refuses O_DIRECT writes, it says so there), the
+    later full ones by the write-behind threads, one at a time per file, in order, while the caller fills the other
+    stage; the last one, padded, by the caller at close."""
+    plain, direct = tmp_path / "plain.safetensors", tmp_path / "direct.safetensors"
+    write_file(plain, direct=False)
+    if not write_file(direct, direct=True).direct:
+        pytest.skip(f"{tmp_path}: the file system refuses O_DIRECT")
+    assert direct.read_bytes() == plain.read_bytes()
+    offsets = [offset for offset, _ in stage_writes]
+    assert offsets == [k * DIRECT_ALIGN for k in range(len(offsets))] and len(offsets) >= 8
+    caller, threads = threading.current_thread().name, [name for _, name in stage_writes]
+    assert threads[0] == threads[-1] == caller
+    assert all(name.startswith("relex-write-behind") for name in threads[1:-1])
+
+
+@pytest.mark.parametrize("failing", [errno.ENOSPC, errno.EIO])
+def test_a_failed_write_behind_is_raised_in_the_writer_and_the_file_removed(tmp_path, stage_writes, monkeypatch, failing):
+    """A stage written in the background fails: the error reaches the caller at its next write or at close, the
+    file is removed, and its descriptor is closed only after the background write has returned."""
+    real, calls, events = stream_writer._write_all, [], []
+
+    def third_fails(fd, data, offset):
+        calls.append(offset)
+        if len(calls) == 3:
+            time.sleep(0.05)  # still writing when the caller comes back for the stage
+            events.append("failed")
+            raise OSError(failing, os.strerror(failing))
+        real(fd, data, offset)
+
+    monkeypatch.setattr(stream_writer, "_write_all", third_fails)
+    real_close = os.close
+
+    def close(fd):
+        events.append("closed")
+        real_close(fd)
+
+    writer = StreamingSafetensorsWriter(tmp_path / "failing.safetensors", LAYOUT, direct=True)
+    if not writer.direct:
+        pytest.skip(f"{tmp_path}: the file system refuses O_DIRECT")
+    monkeypatch.setattr(os, "close", close)
+    with pytest.raises(OSError, match=os.strerror(failing)):
+        for name, info in LAYOUT:
+            writer.write(name, torch.zeros(info.shape, dtype=info.dtype))
+        writer.close()
+    writer.abort()
+    assert events[:2] == ["failed", "closed"]
+    assert not (tmp_path / "failing.safetensors").exists()
+
+
+def test_an_abandoned_file_waits_for_its_write_behind_before_closing(tmp_path, stage_writes, monkeypatch):
+    real, events = stream_writer._write_all, []
+
+    def slow(fd, data, offset):
+        if threading.current_thread().name.startswith("relex-write-behind"):
+            time.sleep(0.05)
+            events.append(f"wrote {offset}")
+        real(fd, data, offset)
+
+    monkeypatch.setattr(stream_writer, "_write_all", slow)
+    writer = StreamingSafetensorsWriter(tmp_path / "abandoned.safetensors", LAYOUT, direct=True)
+    if not writer.direct:
+        pytest.skip(f"{tmp_path}: the file system refuses O_DIRECT")
+    writer.write("t0", torch.zeros(1, dtype=torch.bfloat16))
+    writer.write("t1", torch.zeros(1000))  # 4002 bytes and the header: the first stage, written at once
+    writer.write("t2", torch.zeros((3, 7), dtype=torch.bfloat16))
+    writer.write("t3", torch.zeros(5000))  # the next ones, written behind
+    real_close = os.close
+
+    def close(fd):
+        events.append("closed")
+        real_close(fd)
+
+    monkeypatch.setattr(os, "close", close)
+    writer.abort()
+    assert events[-1] == "closed" and any(e.startswith("wrote") for e in events[:-1])
+    assert not (tmp_path / "abandoned.safetensors").exists()
+
+
+def _write_in_child(path: str) -> None:
+    write_file(Path(path), direct=True)
+
+
+def test_a_forked_child_writes_behind_with_threads_of_its_own(tmp_path, stage_writes):
+    """After a fork the parent's write-behind threads do not exist in the child: it starts its own."""
+    write_file(tmp_path / "parent.safetensors", direct=True)
+    assert stream_writer._behind_pool is not None
+    child = multiprocessing.get_context("fork").Process(target=_write_in_child, args=(str(tmp_path / "child.safetensors"),))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert (tmp_path / "child.safetensors").read_bytes() == (tmp_path / "parent.safetensors").read_bytes()
+
+
+def test_a_direct_write_refused_behind_turns_to_plain_writes(tmp_path, stage_writes, monkeypatch):
+    """A file system that takes O_DIRECT at open and at the first write, then refuses one (EINVAL) in the
+    background: that block, the staged one and the rest are written plainly, and the file is the same."""
+    plain = tmp_path / "plain.safetensors"
+    write_file(plain, direct=False)
+    real, refused = os.pwrite, []
+
+    def refuse_the_fourth(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT and offset == 3 * DIRECT_ALIGN:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", refuse_the_fourth)
+    writer = write_file(tmp_path / "refused.safetensors", direct=True)
+    if not refused:
+        pytest.skip(f"{tmp_path}: the file system refuses O_DIRECT")
+    assert not writer.direct
+    assert (tmp_path / "refused.safetensors").read_bytes() == plain.read_bytes()
 
 
 @pytest.fixture
