@@ -520,6 +520,7 @@ class TrajectoryReader:
         self._files: dict[str, list[SafetensorsFile] | None] = {}  # per tensor: `_float32_files`
         self._referenced = [entry.kind == "checkpoint" for entry in self.entries]  # rows that hold θ_s, not Δ_s
         self._subtract = [i for i, referenced in enumerate(self._referenced) if referenced]
+        self._local = threading.local()  # per reading thread: the buffer θ₀'s rows are read into (`_base_block`)
 
     def _open(self, entry: StepEntry) -> CheckpointReader:
         if entry.kind == "checkpoint":
@@ -564,6 +565,15 @@ class TrajectoryReader:
     def base_rows(self, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
         return self.base.read(name, rows)
 
+    def _base_block(self, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
+        """θ₀'s values of `rows` as float32, flat: read into one buffer per thread, reused from block to block (used
+        up within `read_into`), instead of new memory for each block."""
+        nbytes = self.block_numel(name, rows) * self.infos[name].dtype.itemsize
+        buffer = getattr(self._local, "base", None)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self._local.base = torch.empty(nbytes, dtype=torch.uint8)
+        return self.base.read(name, rows, buffer).reshape(-1).float()
+
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """M restricted to `rows`: a new float32 tensor of shape (T, numel of those rows)."""
         out = torch.empty(len(self.entries), self.block_numel(name, rows), dtype=torch.float32)
@@ -581,7 +591,7 @@ class TrajectoryReader:
         checks before, measured on the SmolLM2 store).
         """
         files = self._files[name] if name in self._files else self._float32_files(name)
-        base = self.base_rows(name, rows).reshape(-1).float() if self._subtract else None
+        base = self._base_block(name, rows) if self._subtract else None
         # θ₀ is subtracted from a long row as soon as it is read, while the row is still in the CPU's cache; from
         # short ones all at once, in one call
         at_once = base is not None and 4 * base.numel() < SUBTRACT_ROW_BYTES

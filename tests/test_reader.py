@@ -181,3 +181,36 @@ def test_a_store_of_float32_checkpoints_only_subtracts_theta0_from_every_row(pla
         for i, entry in enumerate(store.entries):
             theta = CheckpointReader(store.checkpoint_dir(entry)).read(name).float()
             assert torch.equal(got[i], (theta - base.read(name).float()).reshape(-1)), (name, entry.step)
+
+
+def test_theta0_is_read_into_one_buffer_per_thread_reused_from_block_to_block(planted, tmp_path):
+    """θ₀'s rows go into a buffer of the reading thread's, grown to the largest block and then reused: no new memory
+    per block, and two threads reading at once do not share one."""
+    base, run, _ = planted
+    assert cli("ingest", run, "--base", base, "--out", tmp_path / "store") == 0
+    store = TrajectoryStore.open(tmp_path / "store")
+    reader, names = store.reader(), store.trajectory_names
+    theta0 = CheckpointReader(store.base_dir)
+    first = {name: reader.read(name) for name in names}
+    buffer = reader._local.base
+    assert buffer.numel() == max(info.numel * info.dtype.itemsize for info in store.tensors.values())
+    for name in names:
+        assert torch.equal(reader.read(name, (0, 1)), first[name][:, : reader.block_numel(name, (0, 1))])
+        theta = CheckpointReader(store.checkpoint_dir(store.entries[-1])).read(name).float()
+        assert torch.equal(first[name][-1], (theta - theta0.read(name).float()).reshape(-1)), name
+    assert reader._local.base is buffer
+
+    results, start = {}, threading.Barrier(2)
+
+    def read_all(k: int) -> None:
+        start.wait()
+        for _ in range(3):
+            for name in names:
+                results[k, name] = reader.read(name)
+
+    threads = [threading.Thread(target=read_all, args=(k,)) for k in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(torch.equal(results[k, name], first[name]) for k in range(2) for name in names)
