@@ -3,6 +3,7 @@ back to them where the file system refuses it, and is chosen sensibly."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import fcntl
 import multiprocessing
@@ -269,6 +270,40 @@ def test_an_abandoned_file_waits_for_its_write_behind_before_closing(tmp_path, s
     writer.abort()
     assert events[-1] == "closed" and any(e.startswith("wrote") for e in events[:-1])
     assert not (tmp_path / "abandoned.safetensors").exists()
+
+
+def test_an_interrupted_wait_for_a_write_behind_still_waits_before_closing(tmp_path, stage_writes, monkeypatch):
+    """Ctrl-C while the writer waits for a stage written behind: the write is still in flight, so `abort` waits
+    for it before closing the descriptor (whose number a later file could otherwise be given mid-write)."""
+    real, events = stream_writer._write_all, []
+
+    def slow(fd, data, offset):
+        if threading.current_thread().name.startswith("relex-write-behind"):
+            time.sleep(0.1)
+            events.append("wrote")
+        real(fd, data, offset)
+
+    def interrupted(self, timeout=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stream_writer, "_write_all", slow)
+    writer = StreamingSafetensorsWriter(tmp_path / "interrupted.safetensors", LAYOUT, direct=True)
+    if not writer.direct:
+        pytest.skip(f"{tmp_path}: the file system refuses O_DIRECT")
+    monkeypatch.setattr(concurrent.futures.Future, "result", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        for name, info in LAYOUT:
+            writer.write(name, torch.zeros(info.shape, dtype=info.dtype))
+    real_close = os.close
+
+    def close(fd):
+        events.append("closed")
+        real_close(fd)
+
+    monkeypatch.setattr(os, "close", close)
+    writer.abort()
+    assert events == ["wrote", "closed"]
+    assert not (tmp_path / "interrupted.safetensors").exists()
 
 
 def _write_in_child(path: str) -> None:

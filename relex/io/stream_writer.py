@@ -225,10 +225,10 @@ class _RawFile:
         if self._behind is None:
             return
         future, stage, offset = self._behind
-        self._behind = None
         try:
-            future.result()
+            future.result()  # interrupted here (Ctrl-C), the write stays `_behind`: `abort` waits for it
         except OSError as error:
+            self._behind = None
             if error.errno != errno.EINVAL:
                 self._spare = stage
                 raise
@@ -240,7 +240,7 @@ class _RawFile:
             self._spare = stage
             self._release_stage()
             return
-        self._spare = stage
+        self._behind, self._spare = None, stage
 
     def _flush(self, length: int) -> None:
         """Write the staging buffer's first `length` bytes (a multiple of DIRECT_ALIGN) at the end of what is on disk."""
