@@ -57,6 +57,11 @@ STREAM_BYTES = 2**30  # ... as many as fit in this much memory, but at least 2
 # reader threads of a stream: one leaves the other cores to compute on small machines; on larger ones a second
 # keeps more reads in flight (fast NVMe and network file systems need a deeper queue)
 STREAM_READERS = 1 if (os.cpu_count() or 1) <= 4 else 2
+# ... but direct reads (O_DIRECT) get no read-ahead from the kernel and wait for the device, so with one reader a
+# single read is in flight: they always get two. The referenced SmolLM2 pass with `--io direct` from storage took
+# 15.81-16.92 s with two against 18.53-26.38 s with one (three alternating runs each), and 13.54-18.97 s with three
+# or four; through the page cache from storage a second reader made no difference (8.86-10.38 s against 9.30-13.77)
+DIRECT_READERS = 2
 STORE_FORMAT = "relex-trajectory/1"
 SUBTRACT_ROW_BYTES = 2**16  # rows of a referenced checkpoint from this size on have θ₀ subtracted one by one
 
@@ -651,7 +656,7 @@ class TrajectoryReader:
     ) -> Iterator[tuple[Block, torch.Tensor, object]]:
         """(block, M restricted to its rows, `work(block, M)` or None) for each planned block, in order.
 
-        Background threads (`readers`, default STREAM_READERS) read ahead into `buffers` (flat float32 tensors,
+        Background threads (`readers`, default STREAM_READERS, at least DIRECT_READERS for direct reads) read ahead into `buffers` (flat float32 tensors,
         reused in turn; by default as many as fit in STREAM_BYTES, at least 2), so reading runs on its own core
         while the caller computes. `work` is the caller's arithmetic for a block that asks for it (`Block.gram`):
         it runs in whichever thread would otherwise wait, a reader when the caller is behind, the caller when it
@@ -669,7 +674,7 @@ class TrajectoryReader:
             largest = max((len(self.entries) * self.block_numel(b.name, b.rows) for b in blocks), default=0)
             count = max(2, min(STREAM_BUFFERS, STREAM_BYTES // max(1, 4 * largest)))
             buffers = [torch.empty(largest, dtype=torch.float32) for _ in range(count)]
-        count = max(1, min(readers or STREAM_READERS, len(blocks)))
+        count = max(1, min(readers or (max(STREAM_READERS, DIRECT_READERS) if self.direct else STREAM_READERS), len(blocks)))
         return _ReadAhead(self, blocks, work, buffers, count).items()
 
 

@@ -24,7 +24,7 @@ from relex.io import stream_writer
 from relex.io.checkpoint import TensorInfo
 from relex.io.safetensors_file import DIRECT_ALIGN, SafetensorsFile
 from relex.io.stream_writer import StreamingSafetensorsWriter
-from relex.store import TrajectoryStore
+from relex.store import Block, TrajectoryStore
 from tests.conftest import cli
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="this OS has no O_DIRECT")
@@ -74,6 +74,24 @@ def test_fit_reads_the_same_values_either_way(store):
     cached = fit_store(store, FitConfig(io="cached", chunk_elements=300))
     for name in store.trajectory_names:
         np.testing.assert_array_equal(direct.grams[name], cached.grams[name])
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_direct_reads_keep_two_readers_in_flight(store, monkeypatch, direct):
+    """Direct reads have no kernel read-ahead: a stream of them gets DIRECT_READERS threads even where the machine
+    is small enough for one reader through the page cache; the blocks are the same either way."""
+    monkeypatch.setattr(relex.store, "STREAM_READERS", 1)
+    reader = store.reader(direct=direct)
+    names = store.trajectory_names
+    blocks = [Block(name, rows) for name in names for rows in reader.row_blocks(name, 300)]
+    counts, got = [], []
+    for _, matrix, _ in reader.stream(blocks):
+        counts.append(sum(t.name == "relex-reader" for t in threading.enumerate()))
+        got.append(matrix.clone())
+    assert max(counts) == (relex.store.DIRECT_READERS if direct else 1)
+    plain = store.reader()
+    for block, matrix in zip(blocks, got):
+        assert torch.equal(matrix, plain.read(block.name, block.rows))
 
 
 def test_auto_reads_direct_only_when_the_store_exceeds_available_memory(store, monkeypatch):
