@@ -324,6 +324,21 @@ def test_an_interrupted_wait_for_a_write_behind_still_waits_before_closing(tmp_p
     assert not (tmp_path / "interrupted.safetensors").exists()
 
 
+def test_without_write_behind_threads_the_caller_writes(tmp_path, stage_writes, monkeypatch):
+    """At interpreter shutdown no new thread starts (the pool refuses work): the caller writes every stage itself."""
+    class ShutDown:
+        def submit(self, *args):
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    plain = tmp_path / "plain.safetensors"
+    write_file(plain, direct=False)
+    monkeypatch.setattr(stream_writer, "_behind", ShutDown)
+    if not write_file(tmp_path / "direct.safetensors", direct=True).direct:
+        pytest.skip(f"{tmp_path}: the file system refuses O_DIRECT")
+    assert (tmp_path / "direct.safetensors").read_bytes() == plain.read_bytes()
+    assert {name for _, name in stage_writes} == {threading.current_thread().name}
+
+
 def _write_in_child(path: str) -> None:
     write_file(Path(path), direct=True)
 

@@ -215,7 +215,12 @@ class _RawFile:
         if not self.direct:  # refused after all: _wait wrote everything staged, plainly
             return
         stage, offset = self._stage, self.size - DIRECT_STAGE
-        self._behind = (_behind().submit(_write_stage, self._fd, stage, offset), stage, offset)
+        try:
+            future = _behind().submit(_write_stage, self._fd, stage, offset)
+        except RuntimeError:  # the interpreter is shutting down and starts no threads: written here
+            self._flush(DIRECT_STAGE)
+            return
+        self._behind = (future, stage, offset)
         self._stage = self._spare if self._spare is not None else _new_stage()
         self._spare, self._staged = None, 0
 
