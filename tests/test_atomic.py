@@ -266,6 +266,7 @@ def test_full_disk_during_ingest_copy(planted, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(StreamingSafetensorsWriter, "write", no_space)
     message = run_fails(capsys, "ingest", run, "--base", base, "--out", tmp_path / "s", "--copy", out=tmp_path / "s")
     assert "No space left on device" in message
+    assert f"{tmp_path / 's'}: step " in message and ".tmp-" not in message  # the output, not its temporary name
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".s")] == []
 
 

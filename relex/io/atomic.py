@@ -307,6 +307,8 @@ def atomic_output(
                 if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
                     raise _unwritable(target, error) from error
                 raise WriteFailed(f"{target}: nothing written: {error.strerror or error}") from error
+            if type(error) is RelexError and str(tmp) in str(error):  # the user knows the output, not its temporary name
+                raise RelexError(str(error).replace(str(tmp), str(target))) from error
             raise
 
 
