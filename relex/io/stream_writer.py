@@ -14,10 +14,10 @@ instead.
 
 A direct write waits for the device, so each full stage after the first is written by a thread of its own
 (`_behind`) while the caller fills a second stage: computing the next values and writing the last ones overlap,
-and the device is never left idle between two writes. At most one stage per file is being written at a time, so a
-file holds two stages; closed files give theirs back for the next (`KEPT_STAGES`). `relex ingest --copy`, which
-forms each delta and writes it, took 17.7-21.8 s against 29.8-36.2 s writing in the caller (the SmolLM2 run, three
-alternating runs each, docs/performance.md).
+and the device does not wait for the caller between two writes. At most one stage per file is being written at a
+time, so a file holds two stages; closed files give theirs back for the next (`KEPT_STAGES`). `relex ingest
+--copy`, which forms each delta and writes it, took 17.7-21.8 s against 29.8-36.2 s writing in the caller (the
+SmolLM2 run, three alternating runs each, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ from relex.io.safetensors_file import DIRECT_ALIGN
 
 DIRECT_STAGE = 8 * 2**20  # bytes staged per direct write (a multiple of DIRECT_ALIGN)
 BEHIND_THREADS = 2  # threads writing full stages for every direct file of the process, together
-KEPT_STAGES = 4  # staging buffers of closed files kept for the next ones (fresh memory is a page fault per 4 KiB)
+# staging buffers of closed files kept for the next ones: with new ones for each file, `relex ingest --copy` took
+# 25.2-27.1 s against 13.9-20.8 s here, more than their page faults explain (docs/performance.md)
+KEPT_STAGES = 4
 
 _behind_pool: concurrent.futures.ThreadPoolExecutor | None = None
 _behind_lock = threading.Lock()
@@ -52,7 +54,7 @@ def _behind() -> concurrent.futures.ThreadPoolExecutor:
     global _behind_pool
     with _behind_lock:
         if _behind_pool is None:
-            _behind_pool = concurrent.futures.ThreadPoolExecutor(BEHIND_THREADS, thread_name_prefix="relex-write-behind")
+            _behind_pool = concurrent.futures.ThreadPoolExecutor(BEHIND_THREADS, "relex-write-behind")
         return _behind_pool
 
 
