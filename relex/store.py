@@ -567,9 +567,6 @@ class TrajectoryReader:
         return (min(shape[0], rows[1]) - rows[0]) * (self.infos[name].numel // shape[0] if shape[0] else 0)
 
     # ---- reading ---------------------------------------------------------------------------------------------------
-    def base_rows(self, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
-        return self.base.read(name, rows)
-
     def _base_block(self, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
         """θ₀'s values of `rows` as float32, flat: read into one buffer per thread, reused from block to block (used
         up within `read_into`), instead of new memory for each block."""
@@ -656,11 +653,11 @@ class TrajectoryReader:
     ) -> Iterator[tuple[Block, torch.Tensor, object]]:
         """(block, M restricted to its rows, `work(block, M)` or None) for each planned block, in order.
 
-        Background threads (`readers`, default STREAM_READERS, at least DIRECT_READERS for direct reads) read ahead into `buffers` (flat float32 tensors,
-        reused in turn; by default as many as fit in STREAM_BYTES, at least 2), so reading runs on its own core
-        while the caller computes. `work` is the caller's arithmetic for a block that asks for it (`Block.gram`):
-        it runs in whichever thread would otherwise wait, a reader when the caller is behind, the caller when it
-        is waiting for reads. `gram` is its older form, the Gram on `device` (relex.fit.gram.GRAM: `prepare`
+        Background threads (`readers`, default STREAM_READERS, at least DIRECT_READERS for direct reads) read ahead
+        into `buffers` (flat float32 tensors, reused in turn; by default as many as fit in STREAM_BYTES, at least 2),
+        so reading runs on its own core while the caller computes. `work` is the caller's arithmetic for a block
+        that asks for it (`Block.gram`): it runs in whichever thread would otherwise wait, a reader when the caller
+        is behind, the caller when it is waiting for reads. `gram` is its older form, the Gram on `device` (relex.fit.gram.GRAM: `prepare`
         and `chunk_gram`).
         Each matrix is a view of a buffer and stays valid only until the next one is asked for. An error while
         reading (a changed checkpoint, a short file) is raised here, at the block it concerns.
@@ -674,7 +671,8 @@ class TrajectoryReader:
             largest = max((len(self.entries) * self.block_numel(b.name, b.rows) for b in blocks), default=0)
             count = max(2, min(STREAM_BUFFERS, STREAM_BYTES // max(1, 4 * largest)))
             buffers = [torch.empty(largest, dtype=torch.float32) for _ in range(count)]
-        count = max(1, min(readers or (max(STREAM_READERS, DIRECT_READERS) if self.direct else STREAM_READERS), len(blocks)))
+        default = max(STREAM_READERS, DIRECT_READERS) if self.direct else STREAM_READERS
+        count = max(1, min(readers or default, len(blocks)))
         return _ReadAhead(self, blocks, work, buffers, count).items()
 
 
