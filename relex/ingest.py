@@ -46,7 +46,7 @@ from relex.io.hub import (
 from relex.io.stream_writer import writes_direct
 from relex.io.verl_shards import open_checkpoint, shard_files
 from relex.store import MANIFEST_NAME, MAX_STEP, TrajectoryStore, all_finite, check_io_mode, is_store
-from relex.util import comma_list, most_common_float_dtype
+from relex.util import comma_list, most_common_float_dtype, reused
 
 LOG = logging.getLogger(__name__)
 
@@ -276,8 +276,7 @@ class ValueScan:
         for name in names:
             info = reader.info(name)
             nbytes = info.numel * info.dtype.itemsize
-            if self.buffer.numel() < nbytes:
-                self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+            self.buffer = reused(self.buffer, nbytes, torch.uint8)
             values = self.buffer[:nbytes].view(info.dtype).view(info.shape)
             reader.read_into(name, values)
             if values.is_floating_point() and not all_finite(values):
@@ -460,8 +459,7 @@ class _Deltas:
 
     def _float32(self, source, name: str, k: int) -> torch.Tensor:
         info = source.info(name)
-        if self.buffers[k].numel() < info.numel:
-            self.buffers[k] = torch.empty(info.numel, dtype=torch.float32)
+        self.buffers[k] = reused(self.buffers[k], info.numel, torch.float32)
         out = self.buffers[k][: info.numel].view(info.shape)
         if info.dtype == torch.float32:
             source.read_into(name, out)

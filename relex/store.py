@@ -46,7 +46,7 @@ from relex.io.dtypes import SAFETENSORS_TO_TORCH, dtype_name, from_name
 from relex.io.safetensors_file import SafetensorsFile
 from relex.io.stream_writer import StreamingSafetensorsWriter
 from relex.io.verl_shards import open_checkpoint
-from relex.util import is_int, is_positive_int, most_common_float_dtype
+from relex.util import is_int, is_positive_int, most_common_float_dtype, reused
 
 LOG = logging.getLogger(__name__)
 
@@ -571,10 +571,8 @@ class TrajectoryReader:
         """θ₀'s values of `rows` as float32, flat: read into one buffer per thread, reused from block to block (used
         up within `read_into`), instead of new memory for each block."""
         nbytes = self.block_numel(name, rows) * self.infos[name].dtype.itemsize
-        buffer = getattr(self._local, "base", None)
-        if buffer is None or buffer.numel() < nbytes:
-            buffer = self._local.base = torch.empty(nbytes, dtype=torch.uint8)
-        return self.base.read(name, rows, buffer).reshape(-1).float()
+        self._local.base = reused(getattr(self._local, "base", None), nbytes, torch.uint8)
+        return self.base.read(name, rows, self._local.base).reshape(-1).float()
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """M restricted to `rows`: a new float32 tensor of shape (T, numel of those rows)."""
@@ -657,8 +655,8 @@ class TrajectoryReader:
         into `buffers` (flat float32 tensors, reused in turn; by default as many as fit in STREAM_BYTES, at least 2),
         so reading runs on its own core while the caller computes. `work` is the caller's arithmetic for a block
         that asks for it (`Block.gram`): it runs in whichever thread would otherwise wait, a reader when the caller
-        is behind, the caller when it is waiting for reads. `gram` is its older form, the Gram on `device` (relex.fit.gram.GRAM: `prepare`
-        and `chunk_gram`).
+        is behind, the caller when it is waiting for reads. `gram` is its older form, the Gram on `device`
+        (relex.fit.gram.GRAM: `prepare` and `chunk_gram`).
         Each matrix is a view of a buffer and stays valid only until the next one is asked for. An error while
         reading (a changed checkpoint, a short file) is raised here, at the block it concerns.
         """

@@ -1,10 +1,11 @@
 """Small helpers that several parts of relex need, defined once (below everything but `relex.errors`).
 
-    from relex.util import comma_list, grouped, is_positive_int, module_type, most_common_float_dtype, read_log
+    from relex.util import comma_list, grouped, is_positive_int, module_type, most_common_float_dtype, read_log, reused
     comma_list("relex, two-point,")                       # ['relex', 'two-point']
     module_type("model.layers.7.mlp.up_proj.weight")      # 'mlp.up_proj.weight'
     grouped((module_type(name), cos) for name, cos in drift.items())   # {module type: [cos, …]}, types sorted
     read_log("RUN")                                       # the lines of RUN/log.jsonl, [] before the first step
+    self.buffer = reused(self.buffer, n, torch.uint8)     # at least n values: the same memory while it is enough
 
 Before adding a helper to a module, look here (and run `duplicates --change`).
 """
@@ -59,6 +60,17 @@ def most_common_float_dtype(dtypes: Iterable) -> Any:
     What a checkpoint's config.json states as its `torch_dtype`, and what a store records as the source dtype."""
     counts = Counter(dtype for dtype in dtypes if dtype.is_floating_point)
     return counts.most_common(1)[0][0] if counts else None
+
+
+def reused(buffer: Any, numel: int, dtype: Any) -> Any:
+    """`buffer` (a flat torch tensor, or None) when it holds at least `numel` values, else a new one of `numel` values
+    of `dtype`: memory reused from call to call (new memory costs a page fault per 4 KiB), for the caller to view
+    the part it needs."""
+    if buffer is not None and buffer.numel() >= numel:
+        return buffer
+    import torch
+
+    return torch.empty(numel, dtype=dtype)
 
 
 def read_log(run_or_file: str | Path) -> list[dict]:

@@ -52,7 +52,7 @@ from relex.io.hf_folder import HFFolderWriter, model_order, parse_size
 from relex.io.stream_writer import WriteBehind, writes_direct
 from relex.settings import setting
 from relex.store import TrajectoryStore, all_finite
-from relex.util import comma_list, module_type, most_common_float_dtype
+from relex.util import comma_list, module_type, most_common_float_dtype, reused
 
 LOG = logging.getLogger(__name__)
 
@@ -206,8 +206,7 @@ class _Pass:
         if out.dtype == torch.float32:  # float32 output is the computation itself: nothing is rounded away
             return out.reshape(base.shape), False
         if out.dtype in (torch.bfloat16, torch.float16):
-            if self._lost.numel() < exact.numel():
-                self._lost = torch.empty(exact.numel(), dtype=torch.float32)
+            self._lost = reused(self._lost, exact.numel(), torch.float32)
             lost = self._lost[: exact.numel()].copy_(out).sub_(exact)
         else:
             lost = out.float().sub_(exact)
@@ -281,8 +280,7 @@ class _Outputs(Consumer):
 
     def sums(self, name: str, rows, sums: torch.Tensor) -> None:
         nbytes = sums.shape[1] * self.state.base.info(name).dtype.itemsize
-        if self.base_block.numel() < nbytes:
-            self.base_block = torch.empty(nbytes, dtype=torch.uint8)
+        self.base_block = reused(self.base_block, nbytes, torch.uint8)
         base = self.state.base.read(name, rows, self.base_block)  # combine is done with it before the next block
         combined = [self.state.combine(base, delta, report) for delta, report in zip(sums, self.state.reports)]
         self._emit(name, [values for values, _ in combined], [finite for _, finite in combined])
