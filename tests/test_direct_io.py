@@ -227,6 +227,30 @@ def test_full_stages_after_the_first_are_written_behind(tmp_path, stage_writes):
     assert all(name.startswith("relex-write-behind") for name in threads[1:-1])
 
 
+def record_closes(monkeypatch, events: list[str]) -> None:
+    """From here on, "closed" goes into `events` each time a descriptor is closed."""
+    real_close = os.close
+
+    def close(fd):
+        events.append("closed")
+        real_close(fd)
+
+    monkeypatch.setattr(os, "close", close)
+
+
+def slow_writes_behind(monkeypatch, events: list[str], seconds: float) -> None:
+    """Each stage written behind takes `seconds` longer, and "wrote" goes into `events` when it is written."""
+    real = stream_writer._write_all
+
+    def slow(fd, data, offset):
+        if threading.current_thread().name.startswith("relex-write-behind"):
+            time.sleep(seconds)
+            events.append("wrote")
+        real(fd, data, offset)
+
+    monkeypatch.setattr(stream_writer, "_write_all", slow)
+
+
 @pytest.mark.parametrize("failing", [errno.ENOSPC, errno.EIO])
 def test_a_failed_write_behind_is_raised_in_the_writer_and_the_file_removed(tmp_path, stage_writes, monkeypatch, failing):
     """A stage written in the background fails: the error reaches the caller at its next write or at close, the
@@ -242,16 +266,10 @@ def test_a_failed_write_behind_is_raised_in_the_writer_and_the_file_removed(tmp_
         real(fd, data, offset)
 
     monkeypatch.setattr(stream_writer, "_write_all", third_fails)
-    real_close = os.close
-
-    def close(fd):
-        events.append("closed")
-        real_close(fd)
-
     writer = StreamingSafetensorsWriter(tmp_path / "failing.safetensors", LAYOUT, direct=True)
     if not writer.direct:
         pytest.skip(f"{tmp_path}: the file system refuses O_DIRECT")
-    monkeypatch.setattr(os, "close", close)
+    record_closes(monkeypatch, events)
     with pytest.raises(OSError, match=os.strerror(failing)):
         for name, info in LAYOUT:
             writer.write(name, torch.zeros(info.shape, dtype=info.dtype))
@@ -262,15 +280,8 @@ def test_a_failed_write_behind_is_raised_in_the_writer_and_the_file_removed(tmp_
 
 
 def test_an_abandoned_file_waits_for_its_write_behind_before_closing(tmp_path, stage_writes, monkeypatch):
-    real, events = stream_writer._write_all, []
-
-    def slow(fd, data, offset):
-        if threading.current_thread().name.startswith("relex-write-behind"):
-            time.sleep(0.05)
-            events.append(f"wrote {offset}")
-        real(fd, data, offset)
-
-    monkeypatch.setattr(stream_writer, "_write_all", slow)
+    events = []
+    slow_writes_behind(monkeypatch, events, 0.05)
     writer = StreamingSafetensorsWriter(tmp_path / "abandoned.safetensors", LAYOUT, direct=True)
     if not writer.direct:
         pytest.skip(f"{tmp_path}: the file system refuses O_DIRECT")
@@ -278,33 +289,21 @@ def test_an_abandoned_file_waits_for_its_write_behind_before_closing(tmp_path, s
     writer.write("t1", torch.zeros(1000))  # 4002 bytes and the header: the first stage, written at once
     writer.write("t2", torch.zeros((3, 7), dtype=torch.bfloat16))
     writer.write("t3", torch.zeros(5000))  # the next ones, written behind
-    real_close = os.close
-
-    def close(fd):
-        events.append("closed")
-        real_close(fd)
-
-    monkeypatch.setattr(os, "close", close)
+    record_closes(monkeypatch, events)
     writer.abort()
-    assert events[-1] == "closed" and any(e.startswith("wrote") for e in events[:-1])
+    assert events[-1] == "closed" and "wrote" in events[:-1]
     assert not (tmp_path / "abandoned.safetensors").exists()
 
 
 def test_an_interrupted_wait_for_a_write_behind_still_waits_before_closing(tmp_path, stage_writes, monkeypatch):
     """Ctrl-C while the writer waits for a stage written behind: the write is still in flight, so `abort` waits
     for it before closing the descriptor (whose number a later file could otherwise be given mid-write)."""
-    real, events = stream_writer._write_all, []
-
-    def slow(fd, data, offset):
-        if threading.current_thread().name.startswith("relex-write-behind"):
-            time.sleep(0.1)
-            events.append("wrote")
-        real(fd, data, offset)
+    events = []
+    slow_writes_behind(monkeypatch, events, 0.1)
 
     def interrupted(self, timeout=None):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(stream_writer, "_write_all", slow)
     writer = StreamingSafetensorsWriter(tmp_path / "interrupted.safetensors", LAYOUT, direct=True)
     if not writer.direct:
         pytest.skip(f"{tmp_path}: the file system refuses O_DIRECT")
@@ -312,13 +311,7 @@ def test_an_interrupted_wait_for_a_write_behind_still_waits_before_closing(tmp_p
     with pytest.raises(KeyboardInterrupt):
         for name, info in LAYOUT:
             writer.write(name, torch.zeros(info.shape, dtype=info.dtype))
-    real_close = os.close
-
-    def close(fd):
-        events.append("closed")
-        real_close(fd)
-
-    monkeypatch.setattr(os, "close", close)
+    record_closes(monkeypatch, events)
     writer.abort()
     assert events == ["wrote", "closed"]
     assert not (tmp_path / "interrupted.safetensors").exists()
