@@ -203,7 +203,7 @@ class _RawFile:
             if self._staged == DIRECT_STAGE:
                 self._stage_full()
         if len(data):  # plain writes: from the start, or since the file system refused a direct one
-            self._write_all(data, self.size)
+            _write_all(self._fd, data, self.size)
             self.size += len(data)
 
     def _stage_full(self) -> None:
@@ -241,9 +241,9 @@ class _RawFile:
                 raise
             self._plain()
             with memoryview(stage) as view:
-                self._write_all(view, offset)
+                _write_all(self._fd, view, offset)
             with memoryview(self._stage) as view:
-                self._write_all(view[: self._staged], self.size - self._staged)
+                _write_all(self._fd, view[: self._staged], self.size - self._staged)
             self._spare = stage
             self._release_stage()
             return
@@ -254,13 +254,13 @@ class _RawFile:
         offset, refused = self.size - self._staged, False
         with memoryview(self._stage) as stage:
             try:
-                self._write_all(stage[:length], offset)
+                _write_all(self._fd, stage[:length], offset)
             except OSError as error:
                 if error.errno != errno.EINVAL:
                     raise
                 refused = True  # the file system took O_DIRECT at open but refuses the write: plain writes from here
                 self._plain()
-                self._write_all(stage[: self._staged], offset)
+                _write_all(self._fd, stage[: self._staged], offset)
         self._staged = 0
         if refused:
             self._release_stage()
@@ -268,9 +268,6 @@ class _RawFile:
     def _plain(self) -> None:
         os.close(self._fd)
         self._fd, self.direct = os.open(self.path, os.O_WRONLY), False
-
-    def _write_all(self, data: memoryview, offset: int) -> None:
-        _write_all(self._fd, data, offset)
 
     def close(self) -> None:
         try:
