@@ -499,7 +499,7 @@ class Block(NamedTuple):
 
     name: str
     rows: tuple[int, int] | None = None
-    gram: bool = False  # the caller's per-block work runs on this block (a Gram, for relex.fit), in whichever thread is idle
+    work: bool = False  # the caller's per-block work (`stream`'s `work`: a Gram, for relex.fit) runs on this block
 
 
 class TrajectoryReader:
@@ -646,24 +646,22 @@ class TrajectoryReader:
                 row.sub_(base)
 
     def stream(
-        self, blocks: Sequence[Block], device: torch.device | None = None, readers: int | None = None, gram=None,
-        *, work: Callable[[Block, torch.Tensor], object] | None = None, buffers: Sequence[torch.Tensor] | None = None,
+        self, blocks: Sequence[Block], readers: int | None = None, *,
+        work: Callable[[Block, torch.Tensor], object] | None = None, buffers: Sequence[torch.Tensor] | None = None,
     ) -> Iterator[tuple[Block, torch.Tensor, object]]:
         """(block, M restricted to its rows, `work(block, M)` or None) for each planned block, in order.
 
         Background threads (`readers`, default STREAM_READERS, at least DIRECT_READERS for direct reads) read ahead
         into `buffers` (flat float32 tensors, reused in turn; by default as many as fit in STREAM_BYTES, at least 2),
         so reading runs on its own core while the caller computes. `work` is the caller's arithmetic for a block
-        that asks for it (`Block.gram`): it runs in whichever thread would otherwise wait, a reader when the caller
-        is behind, the caller when it is waiting for reads. `gram` is its older form, the Gram on `device`
-        (relex.fit.gram.GRAM: `prepare` and `chunk_gram`).
+        that asks for it (`Block.work`): it runs in whichever thread would otherwise wait, a reader when the caller
+        is behind, the caller when it is waiting for reads. What it computes is the caller's (relex.fit.passes: a
+        block's Gram); the reader only reads.
         Each matrix is a view of a buffer and stays valid only until the next one is asked for. An error while
         reading (a changed checkpoint, a short file) is raised here, at the block it concerns.
         """
         blocks = list(blocks)
-        if gram is not None:
-            work = _gram_work(gram, device or torch.device("cpu"))
-        if work is None and any(block.gram for block in blocks):
+        if work is None and any(block.work for block in blocks):
             raise ValueError("TrajectoryReader.stream: blocks ask for per-block work but no `work` was given")
         if buffers is None:
             largest = max((len(self.entries) * self.block_numel(b.name, b.rows) for b in blocks), default=0)
@@ -672,12 +670,6 @@ class TrajectoryReader:
         default = max(STREAM_READERS, DIRECT_READERS) if self.direct else STREAM_READERS
         count = max(1, min(readers or default, len(blocks)))
         return _ReadAhead(self, blocks, work, buffers, count).items()
-
-
-def _gram_work(gram, device: torch.device) -> Callable[[Block, torch.Tensor], torch.Tensor]:
-    """`stream`'s per-block work from Gram arithmetic with `prepare(device)` and `chunk_gram(matrix, device)`."""
-    threading.Thread(target=gram.prepare, args=(device,), name="relex-prepare", daemon=True).start()  # while reads run
-    return lambda block, matrix: gram.chunk_gram(matrix, device)
 
 
 class _ReadAhead:
@@ -709,7 +701,7 @@ class _ReadAhead:
             self.reader.read_into(block.name, matrix, block.rows)
             with self.finished:
                 caller_busy = bool(self.done)  # blocks it has not taken yet: this thread has time to spare
-            return buffer, matrix, (self.work(block, matrix) if block.gram and caller_busy else None)
+            return buffer, matrix, (self.work(block, matrix) if block.work and caller_busy else None)
         except BaseException as error:  # handed to the caller, raised where it reads
             return None, error, None
 
@@ -743,7 +735,7 @@ class _ReadAhead:
                     held, matrix, result = self.done.pop(k)
                 if held is None:
                     raise matrix
-                if block.gram and result is None:
+                if block.work and result is None:
                     result = self.work(block, matrix)
                 yield block, matrix, result
         finally:

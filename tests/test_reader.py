@@ -1,10 +1,10 @@
-"""The trajectory reader's stream: every planned block, in order, with its Gram; errors and early stops are clean."""
+"""The trajectory reader's stream: every planned block, in order, with the caller's work on it (a Gram); errors and
+early stops are clean."""
 
 from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,9 +26,9 @@ def store(request, planted, tmp_path):
 
 
 def plan(reader, names, max_elements, gram_every=2):
-    """Row blocks of `names`, plus each tensor whole; every `gram_every`-th block asks for its Gram."""
+    """Row blocks of `names`, plus each tensor whole; every `gram_every`-th block asks for the caller's work."""
     blocks = [Block(n, rows) for n in names for rows in reader.row_blocks(n, max_elements)] + [Block(n) for n in names]
-    return [Block(b.name, b.rows, gram=i % gram_every == 0) for i, b in enumerate(blocks)]
+    return [Block(b.name, b.rows, work=i % gram_every == 0) for i, b in enumerate(blocks)]
 
 
 def reader_threads() -> int:
@@ -41,17 +41,17 @@ def test_stream_yields_every_planned_block_in_order_with_its_gram(store, readers
     reader = store.reader()
     blocks = plan(reader, store.trajectory_names, max_elements=7 * len(store.steps) * 64)  # blocks of a few rows
     sides = []
-    real_gram = relex.fit.gram.chunk_gram
-    counting = SimpleNamespace(
-        prepare=relex.fit.gram.prepare,
-        chunk_gram=lambda m, d: sides.append(threading.current_thread().name) or real_gram(m, d),
-    )
+
+    def counted_gram(block, matrix):
+        sides.append(threading.current_thread().name)
+        return relex.fit.gram.chunk_gram(matrix, torch.device("cpu"))
+
     threads_before = torch.get_num_threads()
     seen = []
-    for block, matrix, gram in reader.stream(blocks, readers=readers, gram=counting):
+    for block, matrix, gram in reader.stream(blocks, readers=readers, work=counted_gram):
         expected = store.reader().read(block.name, block.rows)
         assert torch.equal(matrix, expected), block
-        if block.gram:
+        if block.work:
             m = expected.double()
             torch.testing.assert_close(gram, m @ m.T, rtol=1e-5, atol=1e-12)
         else:
@@ -59,7 +59,7 @@ def test_stream_yields_every_planned_block_in_order_with_its_gram(store, readers
         seen.append(block)
         time.sleep(consumer_delay)
     assert seen == blocks
-    assert len(sides) == sum(b.gram for b in blocks)
+    assert len(sides) == sum(b.work for b in blocks)
     if consumer_delay:  # a slow caller leaves the Grams to the readers, which would otherwise wait for buffers
         assert "relex-reader" in sides
     assert reader_threads() == 0
@@ -87,11 +87,11 @@ def test_a_reading_error_is_raised_at_its_block_and_the_readers_stop(planted, tm
     tensors[bad_name] = tensors[bad_name][:-1].clone()  # the referenced checkpoint changed after ingest
     save_file(tensors, str(path), metadata={"format": "pt"})
     reader = store.reader()
-    blocks = [Block(n, gram=True) for n in store.trajectory_names]
+    blocks = [Block(n, work=True) for n in store.trajectory_names]
     threads_before = torch.get_num_threads()
     served = []
     with pytest.raises(RelexError, match=f"tensor {bad_name}: shape .* at step {bad_step}"):
-        for block, _, _ in reader.stream(blocks, readers=2, gram=relex.fit.gram.GRAM):
+        for block, _, _ in reader.stream(blocks, readers=2, work=lambda block, matrix: matrix.sum()):
             served.append(block.name)
     assert served == store.trajectory_names[:3]
     assert reader_threads() == 0

@@ -95,7 +95,7 @@ class TensorReads:
         """The stream blocks: a read for the Gram, then a second one for the sums of the blocks not held."""
         reads = []
         if self.gram:
-            reads += [Block(self.name, rows, gram=gram_in_reader) for rows in self.rows]
+            reads += [Block(self.name, rows, work=gram_in_reader) for rows in self.rows]
         if self.sums:
             reads += [Block(self.name, rows) for rows in self.rows[self.held_blocks:]]
         return reads
