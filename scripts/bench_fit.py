@@ -19,7 +19,8 @@ checkpoints in verl's layout (`global_step_N/actor/huggingface/`, relex.syntheti
   3. fit + extrapolate: `relex extrapolate` to two targets on that store (Gram pass + weighted sum), and the same
      on a store of copied float32 deltas of the same run (`relex ingest --copy`, made once, untimed), against a
      read of that store's files; with the command's default I/O (`--io auto`, printed: here reads through the
-     page cache, checkpoints written direct).
+     page cache, checkpoints written direct); and that pass reduced to its reads, each tensor's Gram and a W · M
+     with fixed weights (`phase_products`: no fit, no θ₀, nothing written), the part of it no method avoids.
 The phases time the work inside their process. So that what a user waits for shows too, `relex ingest` and
 `relex extrapolate` are also run as typed, from the page cache, each process timed from its start to its exit.
 All of them from the page cache; then 1, `relex ingest` and 3 on the referenced store again from storage, the
@@ -146,6 +147,41 @@ def phase_extrapolate(store_dir: str, out: str, device: str, io: str) -> dict:
     return {"seconds": seconds, "io": f"--io {io}: reads {how[store.reads_direct(io)]}, checkpoints written {how[writes_direct(io)]}"}
 
 
+def phase_products(store_dir: str, device: str, io: str) -> dict:
+    """The pass of `relex extrapolate` reduced to what it must compute from every stored value: the same planned
+    reads (relex.fit.passes, the command's block and hold sizes), each tensor's Gram and a product W · M with two
+    rows of weights, and nothing else: the weights are fixed instead of fitted, θ₀ is not read, nothing is
+    written. What the command takes beyond it is the fit, θ₀ + W · M and the writing; its ratio to a read bounds
+    the ratio the whole command can reach with these reads and kernels."""
+    import numpy as np
+
+    from relex.extrapolate.extrapolate import DEFAULT_CACHE_ELEMENTS
+    from relex.fit.gram import GRAM, resolve_device
+    from relex.fit.passes import DEFAULT_CHUNK_ELEMENTS, Consumer, PassBudget, ProductBuffers, plan_pass, run_pass
+    from relex.store import TrajectoryStore
+
+    store = TrajectoryStore.open(store_dir)
+    started = time.perf_counter()
+    reader = store.reader(direct=store.reads_direct(io))
+    names = list(store.trajectory_names)
+    weights = np.full((2, len(reader.steps)), 1 / len(reader.steps), dtype=np.float32)
+
+    class TwoTargets(Consumer):
+        values = 0
+
+        def weights(self, name: str, gram) -> np.ndarray:
+            return weights
+
+        def sums(self, name: str, rows, sums) -> None:
+            self.values += len(reader.steps) * sums.shape[1]  # the values this product was formed from
+
+    budget = PassBudget(DEFAULT_CHUNK_ELEMENTS, DEFAULT_CACHE_ELEMENTS)
+    plan = plan_pass(reader, names, grams=names, sums=names, budget=budget, device=resolve_device(device))
+    consumer = TwoTargets()
+    run_pass(reader, plan, [consumer], GRAM, products=ProductBuffers())
+    return {"seconds": time.perf_counter() - started, "values": consumer.values}
+
+
 def phase_read_files(*folders: str) -> dict:
     """Every byte of the safetensors files under `folders` read once into one reused buffer (what `cat` does).
 
@@ -239,9 +275,9 @@ def phase_ingest(run: str, base: str, store: str, mode: str) -> dict:
 
 # what each phase's command imports before it starts (a plain read of the files imports nothing)
 PHASE_MODULES = {"read": ("relex.fit", "relex.store"), "extrapolate": ("relex.extrapolate", "relex.fit", "relex.store"),
-                 "ingest": ("relex.ingest",)}
-PHASES = {"read": phase_read, "extrapolate": phase_extrapolate, "read-files": phase_read_files, "ingest": phase_ingest,
-          "check": phase_check}
+                 "products": ("relex.extrapolate", "relex.fit", "relex.store"), "ingest": ("relex.ingest",)}
+PHASES = {"read": phase_read, "extrapolate": phase_extrapolate, "products": phase_products, "read-files": phase_read_files,
+          "ingest": phase_ingest, "check": phase_check}
 
 
 def peak_rss_gib() -> float:
@@ -399,6 +435,7 @@ def bench_verl(args) -> None:
         "relex ingest --copy (float32 deltas written)": ("ingest", str(run), str(base), str(copy_timed), "copy"),
         "fit + extrapolate to two targets": extrapolate,
         "fit + extrapolate, store of copied float32 deltas": ("extrapolate", str(copied), str(out), args.device, "auto"),
+        "its reads, Gram and W · M alone (no fit, θ₀ or outputs)": ("products", str(copied), args.device, "auto"),
         "read every byte of the copied store once": ("read-files", str(copied)),
     }
     from_storage = {"read every byte of the run and the base once": read, "relex ingest (headers: names, shapes, dtypes, sizes)": ingest,
@@ -457,12 +494,14 @@ def bench_verl(args) -> None:
         read_s, ingest_s, fit_s = (medians[where, label] for label in list(from_storage)[:3])
         print(f"  (ingest + fit + extrapolate) / read, {'from the page cache' if where == 'ram' else 'from storage':<19} "
               f"{(ingest_s + fit_s) / read_s:7.2f}   (goal <= 4)")
-    read_s, ingest_s, verify_s, copy_s, fit_s, copied_s, read_copied_s = (medians["ram", label] for label in in_ram)
+    read_s, ingest_s, verify_s, copy_s, fit_s, copied_s, products_s, read_copied_s = (medians["ram", label] for label in in_ram)
     print(f"  (ingest --verify + fit + extrapolate) / read, page cache  {(verify_s + fit_s) / read_s:7.2f}")
     print(f"  ingest --verify / read, page cache:                     {verify_s / read_s:7.2f}")
     print(f"  ingest --copy / read, page cache:                       {copy_s / read_s:7.2f}")
     print(f"  fit + extrapolate, referenced / copied store:           {fit_s / copied_s:7.2f}   (goal: 1)")
     print(f"  fit + extrapolate / read, copied store, page cache:     {copied_s / read_copied_s:7.2f}   (goal <= 2.5)")
+    print(f"  its reads, Gram and W · M alone / read, copied store:   {products_s / read_copied_s:7.2f}   (what the goal above "
+          "leaves for the fit, θ₀ and the outputs: none where this is over 2.5)")
     whole = {name: median(c[name] for c in commands) for name in commands[0]}
     print(f"as a user runs them, from the page cache, each process from its start to its exit (Python's start, the imports "
           f"and the exit included; runs: {_runs(sorted(sum(c.values()) for c in commands))} s):")

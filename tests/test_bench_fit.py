@@ -61,6 +61,18 @@ def test_the_check_fails_on_one_wrong_tensor(bench, extrapolated):
     assert check["worst"]["40"] == pytest.approx(0.01, rel=0.05)
 
 
+def test_the_products_phase_forms_both_products_from_every_stored_value_once(bench, tiny_base, tmp_path):
+    """The pass reduced to its reads and products: as many values as a plain read of the store, nothing written."""
+    run, store = tmp_path / "run", tmp_path / "store"
+    write_planted_run(tiny_base, run, [2, 4, 6, 8], layout="verl", noise=0.05)
+    assert cli("ingest", run, "--base", tiny_base, "--out", store, "--copy") == 0
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    products = bench.phase_products(str(store), "cpu", "auto")
+    assert products["values"] == bench.phase_read(str(store), "auto")["values"] > 0
+    assert products["seconds"] > 0
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
 @pytest.mark.slow
 def test_the_benchmark_runs_end_to_end_on_a_tiny_shape(tmp_path):
     out = subprocess.run([sys.executable, str(SCRIPT), "--layout", "verl", "--shape", "tiny", "--steps", "4", "--repeats", "1",
