@@ -23,7 +23,8 @@ checkpoints in verl's layout (`global_step_N/actor/huggingface/`, relex.syntheti
      with fixed weights (`phase_products`: no fit, no θ₀, nothing written), the part of it no method avoids.
 The phases time the work inside their process. So that what a user waits for shows too, `relex ingest` and
 `relex extrapolate` are also run as typed, from the page cache, each process timed from its start to its exit.
-All of them from the page cache; then 1, `relex ingest` and 3 on the referenced store again from storage, the
+All of them from the page cache (the run's phases after an untimed read of the run, the copied store's after one of
+that store, the other's pages dropped first: the two do not fit in a 24 GiB machine's page cache together); then 1, `relex ingest` and 3 on the referenced store again from storage, the
 run's and the base's pages dropped before each phase, and 3 once more with `--io direct` (O_DIRECT reads, what
 `--io auto` picks for a store larger than the memory available), each with the bytes of the run's files it read
 per second. The ratios (ingest + fit + extrapolate) / read, both ways, referenced / copied extrapolation and copied
@@ -445,7 +446,7 @@ def bench_verl(args) -> None:
     storage = hasattr(os, "posix_fadvise")
     runs = {("ram", label): [] for label in in_ram} | ({("storage", label): [] for label in from_storage} if storage else {})
     on_copied = [label for label, phase in in_ram.items() if str(copied) in phase]
-    resident, resident_copied = None, None
+    resident, resident_copied, kept = None, None, []  # kept: the run's bytes still cached after its phases
     copied_size = sum(p.stat().st_size for p in copied.rglob("*.safetensors"))
     from relex.ingest import discover_checkpoints
 
@@ -453,12 +454,17 @@ def bench_verl(args) -> None:
     commands = []  # `relex ingest` and `relex extrapolate` as a user runs them, each whole process timed
     for _ in range(args.repeats):
         # the run and the copied store do not fit in the page cache together on a 24 GiB machine (11.3 + 10.8 GB at
-        # T = 20): the run's phases are timed after a read of the run, the copied store's after a read of that
+        # T = 20): the run's phases are timed after a read of the run, the copied store's after a read of that. The
+        # other one's pages are dropped first: read in earlier phases, they are what the kernel keeps, and it
+        # evicted the run's fresh pages instead (run 23: the referenced pass took 5.31, 8.44 and 11.09 s)
+        evict(copied)
         run_phase(*read)  # untimed: puts the files in the page cache
         resident = _resident_bytes(run, base)
         for label, phase in in_ram.items():
             if label == on_copied[0]:
                 commands.append(run_commands(run, base, store, out, f"{2 * last},{5 * last}", args.device))
+                kept.append(_resident_bytes(run, base))
+                evict(run)  # the base stays: a pass on the copied store reads θ₀ from it
                 run_phase("read-files", str(copied))
                 resident_copied = _resident_bytes(copied)
             shutil.rmtree(out, ignore_errors=True)  # removing an earlier output is not part of the work
@@ -473,6 +479,7 @@ def bench_verl(args) -> None:
                 runs["storage", label].append(run_phase(*phase))
     print(f"run: verl layout, {args.shape} shapes, T={args.steps} float32 checkpoints + base, {size / 1e9:.2f} GB; "
           f"{'unknown' if resident is None else f'{resident / size:.0%}'} of it in the page cache after the warm-up read "
+          f"({'unknown' if None in kept else f'{min(kept) / size:.0%}'} after the phases on it, the least of the runs) "
           f"(the copied store, {copied_size / 1e9:.2f} GB: {'unknown' if resident_copied is None else f'{resident_copied / copied_size:.0%}'}); "
           f"device {args.device}; median of {args.repeats} runs each, each phase in its own process")
     print(f"relex extrapolate with {runs['ram', 'fit + extrapolate to two targets'][0]['io']}")
