@@ -23,13 +23,14 @@ checkpoints in verl's layout (`global_step_N/actor/huggingface/`, relex.syntheti
      with fixed weights (`phase_products`: no fit, no θ₀, nothing written), the part of it no method avoids.
 The phases time the work inside their process. So that what a user waits for shows too, `relex ingest` and
 `relex extrapolate` are also run as typed, from the page cache, each process timed from its start to its exit.
-All of them from the page cache (the run's phases after an untimed read of the run, the copied store's after one of
-that store, the other's pages dropped first: the two do not fit in a 24 GiB machine's page cache together); then 1, `relex ingest` and 3 on the referenced store again from storage, the
-run's and the base's pages dropped before each phase, and 3 once more with `--io direct` (O_DIRECT reads, what
-`--io auto` picks for a store larger than the memory available), each with the bytes of the run's files it read
-per second. The ratios (ingest + fit + extrapolate) / read, both ways, referenced / copied extrapolation and copied
-extrapolation / read are formed from medians of the same run. Last, the check (`phase_check`): the last
-extrapolation's checkpoints against RELEX in float64 from the checkpoint files, untimed.
+All of them from the page cache: the run's phases after an untimed read of the run, the copied store's after one of
+that store, the other's pages dropped first (the two do not fit in a 24 GiB machine's page cache together). Then
+1, `relex ingest` and 3 on the referenced store again from storage, the run's and the base's pages dropped before
+each phase, and 3 once more with `--io direct` (O_DIRECT reads, what `--io auto` picks for a store larger than the
+memory available), each with the bytes of the run's files it read per second. The ratios (ingest + fit +
+extrapolate) / read, both ways, referenced / copied extrapolation, copied extrapolation / read and the products
+alone / read are formed from medians of the same run. Last, the check (`phase_check`): the last extrapolation's
+checkpoints against RELEX in float64 from the checkpoint files, untimed.
 
 Peak RSS is each phase's own: VmHWM of the phase's process, read by itself at its end. ru_maxrss (RUSAGE_SELF in
 the child, or os.wait4 on it) is not: Linux carries the forking parent's RSS over into it at exec.
