@@ -20,7 +20,7 @@ checkpoints in verl's layout (`global_step_N/actor/huggingface/`, relex.syntheti
      on a store of copied float32 deltas of the same run (`relex ingest --copy`, made once, untimed), against a
      read of that store's files; with the command's default I/O (`--io auto`, printed: here reads through the
      page cache, checkpoints written direct); and that pass reduced to its reads, each tensor's Gram and a W · M
-     with fixed weights (`phase_products`: no fit, no θ₀, nothing written), the part of it no method avoids.
+     with fixed weights (`phase_products`: no fit, no θ₀, nothing written), what every fitted method computes.
 The phases time the work inside their process. So that what a user waits for shows too, `relex ingest` and
 `relex extrapolate` are also run as typed, from the page cache, each process timed from its start to its exit.
 All of them from the page cache: the run's phases after an untimed read of the run, the copied store's after one of

@@ -79,6 +79,7 @@ def test_the_benchmark_runs_end_to_end_on_a_tiny_shape(tmp_path):
                           "--workdir", str(tmp_path / "bench")], check=True, capture_output=True, text=True).stdout
     assert "(ingest + fit + extrapolate) / read, from the page cache" in out
     assert "fit + extrapolate / read, copied store, page cache" in out
+    assert "its reads, Gram and W · M alone / read, copied store" in out
     assert "as a user runs them" in out and "relex ingest" in out and "× the read" in out
     checks = [line for line in out.splitlines() if line.strip().startswith("step ")]
     assert len(checks) == 2 and all("goal <= 1e-4: met" in line for line in checks), out

@@ -37,7 +37,7 @@ def reader_threads() -> int:
 
 @pytest.mark.parametrize("readers", [1, 2, 3])
 @pytest.mark.parametrize("consumer_delay", [0.0, 0.002])
-def test_stream_yields_every_planned_block_in_order_with_its_gram(store, readers, consumer_delay, monkeypatch):
+def test_stream_yields_every_planned_block_in_order_with_its_gram(store, readers, consumer_delay):
     reader = store.reader()
     blocks = plan(reader, store.trajectory_names, max_elements=7 * len(store.steps) * 64)  # blocks of a few rows
     sides = []
