@@ -49,8 +49,8 @@ from relex.extrapolate.extrapolate import (
     output_layout,
 )
 from relex.fit.fit import FitConfig, FitResult, fit_from_grams, observed_steps, refit, validate
-from relex.fit.gram import resolve_device, tensor_grams
-from relex.fit.passes import ProductBuffers
+from relex.fit.gram import resolve_device
+from relex.fit.passes import ProductBuffers, tensor_grams
 from relex.io.atomic import atomic_output, check_output, write_lock
 from relex.io.checkpoint import INDEX_NAME, checkpoint_infos, read_config
 from relex.io.dtypes import parse_dtype

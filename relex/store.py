@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from relex import __version__
@@ -502,6 +503,26 @@ class Block(NamedTuple):
     work: bool = False  # the caller's per-block work (`stream`'s `work`: a Gram, for relex.fit) runs on this block
 
 
+class TensorFiles(NamedTuple):
+    """Where one tensor's values lie at every step, for reads a caller makes itself (relex.fit.gram_kernel's reading
+    kernels): each step's file and the byte offset of the tensor's first value there, float32, read through the
+    page cache; whether the step's values are θ_s (a checkpoint read in place: θ₀ is subtracted) and where θ₀'s
+    float32 values lie (descriptor -1 when no step needs them)."""
+
+    name: str
+    numel: int
+    descriptors: np.ndarray  # int32, one open file per step
+    offsets: np.ndarray  # int64
+    subtract: np.ndarray  # uint8: 1 where the step holds θ_s
+    base_descriptor: int
+    base_offset: int
+    files: tuple[SafetensorsFile, ...]  # the steps' files, then θ₀'s when read: to name the one a read failed in
+
+    def read_failed(self, status: int) -> RelexError:
+        """The error for a read that came up short (`status`: 1 + the index of the file in `files`)."""
+        return self.files[status - 1].short_read(self.name)
+
+
 class TrajectoryReader:
     """Reads the trajectory matrix M (T × d, one row per step) of one tensor at a time, whole or in row blocks.
 
@@ -633,6 +654,26 @@ class TrajectoryReader:
                 files = None
         self._files[name] = files
         return files
+
+    def tensor_files(self, name: str) -> TensorFiles | None:
+        """Where tensor `name`'s float32 values lie at every step (and θ₀'s, for a referenced checkpoint), for a
+        caller that reads them itself; None when some step (or θ₀) stores it in another dtype or format, or reads go
+        past the page cache (`direct`): those are read by `read_into`."""
+        files = None if self.direct else (self._files[name] if name in self._files else self._float32_files(name))
+        if files is None or any(file.direct for file in files):
+            return None
+        base_descriptor, base_offset, used = -1, 0, list(files)
+        if self._subtract:
+            if self.base.info(name).dtype != torch.float32:
+                return None
+            base = self.base.file_of(name)
+            base_descriptor, base_offset = base.descriptor, base.span(name)[0]
+            used.append(base)
+        return TensorFiles(
+            name, self.infos[name].numel, np.array([file.descriptor for file in files], dtype=np.int32),
+            np.array([file.span(name)[0] for file in files], dtype=np.int64),
+            np.array(self._referenced, dtype=np.uint8), base_descriptor, base_offset, tuple(used),
+        )
 
     def _read_converted(self, name: str, out: torch.Tensor, rows: tuple[int, int] | None, base: torch.Tensor | None) -> None:
         """θ_s (or Δ_s) of each step as float32 into `out`, from whatever the step stores (bf16, verl's shards);

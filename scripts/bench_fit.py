@@ -20,7 +20,8 @@ checkpoints in verl's layout (`global_step_N/actor/huggingface/`, relex.syntheti
      on a store of copied float32 deltas of the same run (`relex ingest --copy`, made once, untimed), against a
      read of that store's files; with the command's default I/O (`--io auto`, printed: here reads through the
      page cache, checkpoints written direct); and that pass reduced to its reads, each tensor's Gram and a W · M
-     with fixed weights (`phase_products`: no fit, no θ₀, nothing written), what every fitted method computes.
+     with fixed weights (`phase_products`: no fit, no θ₀, nothing written), what every fitted method computes,
+     as planned (float32 files read by the kernels themselves) and read in blocks by the store's reader.
 The phases time the work inside their process. So that what a user waits for shows too, `relex ingest` and
 `relex extrapolate` are also run as typed, from the page cache, each process timed from its start to its exit.
 All of them from the page cache: the run's phases after an untimed read of the run, the copied store's after one of
@@ -149,12 +150,14 @@ def phase_extrapolate(store_dir: str, out: str, device: str, io: str) -> dict:
     return {"seconds": seconds, "io": f"--io {io}: reads {how[store.reads_direct(io)]}, checkpoints written {how[writes_direct(io)]}"}
 
 
-def phase_products(store_dir: str, device: str, io: str) -> dict:
+def phase_products(store_dir: str, device: str, io: str, reads: str = "planned") -> dict:
     """The pass of `relex extrapolate` reduced to what it must compute from every stored value: the same planned
     reads (relex.fit.passes, the command's block and hold sizes), each tensor's Gram and a product W · M with two
     rows of weights, and nothing else: the weights are fixed instead of fitted, θ₀ is not read, nothing is
     written. What the command takes beyond it is the fit, θ₀ + W · M and the writing; its ratio to a read bounds
-    the ratio the whole command can reach with these reads and kernels."""
+    the ratio the whole command can reach with these reads and kernels. `reads`: "planned" as the command plans
+    them (float32 files through the page cache: by the kernels themselves), or "blocks" (every tensor read in blocks
+    by the store's reader, as before stop 35), to compare the two in one run."""
     import numpy as np
 
     from relex.extrapolate.extrapolate import DEFAULT_CACHE_ELEMENTS
@@ -178,7 +181,8 @@ def phase_products(store_dir: str, device: str, io: str) -> dict:
             self.values += len(reader.steps) * sums.shape[1]  # the values this product was formed from
 
     budget = PassBudget(DEFAULT_CHUNK_ELEMENTS, DEFAULT_CACHE_ELEMENTS)
-    plan = plan_pass(reader, names, grams=names, sums=names, budget=budget, device=resolve_device(device))
+    plan = plan_pass(reader, names, grams=names, sums=names, budget=budget, device=resolve_device(device),
+                     in_kernel=None if reads == "planned" else False)
     consumer = TwoTargets()
     run_pass(reader, plan, [consumer], GRAM, products=ProductBuffers())
     return {"seconds": time.perf_counter() - started, "values": consumer.values}
@@ -438,6 +442,7 @@ def bench_verl(args) -> None:
         "fit + extrapolate to two targets": extrapolate,
         "fit + extrapolate, store of copied float32 deltas": ("extrapolate", str(copied), str(out), args.device, "auto"),
         "its reads, Gram and W · M alone (no fit, θ₀ or outputs)": ("products", str(copied), args.device, "auto"),
+        "the same, read in blocks by the store's reader": ("products", str(copied), args.device, "auto", "blocks"),
         "read every byte of the copied store once": ("read-files", str(copied)),
     }
     from_storage = {"read every byte of the run and the base once": read, "relex ingest (headers: names, shapes, dtypes, sizes)": ingest,
@@ -502,7 +507,7 @@ def bench_verl(args) -> None:
         read_s, ingest_s, fit_s = (medians[where, label] for label in list(from_storage)[:3])
         print(f"  (ingest + fit + extrapolate) / read, {'from the page cache' if where == 'ram' else 'from storage':<19} "
               f"{(ingest_s + fit_s) / read_s:7.2f}   (goal <= 4)")
-    read_s, ingest_s, verify_s, copy_s, fit_s, copied_s, products_s, read_copied_s = (medians["ram", label] for label in in_ram)
+    read_s, ingest_s, verify_s, copy_s, fit_s, copied_s, products_s, blocks_s, read_copied_s = (medians["ram", label] for label in in_ram)
     print(f"  (ingest --verify + fit + extrapolate) / read, page cache  {(verify_s + fit_s) / read_s:7.2f}")
     print(f"  ingest --verify / read, page cache:                     {verify_s / read_s:7.2f}")
     print(f"  ingest --copy / read, page cache:                       {copy_s / read_s:7.2f}")
@@ -510,6 +515,8 @@ def bench_verl(args) -> None:
     print(f"  fit + extrapolate / read, copied store, page cache:     {copied_s / read_copied_s:7.2f}   (goal <= 2.5)")
     print(f"  its reads, Gram and W · M alone / read, copied store:   {products_s / read_copied_s:7.2f}   (what the goal above "
           "leaves for the fit, θ₀ and the outputs: none where this is over 2.5)")
+    print(f"  the same read in blocks / read by the kernels:          {blocks_s / products_s:7.2f}   (what the kernels' own "
+          "reads gained)")
     whole = {name: median(c[name] for c in commands) for name in commands[0]}
     print(f"as a user runs them, from the page cache, each process from its start to its exit (Python's start, the imports "
           f"and the exit included; runs: {_runs(sorted(sum(c.values()) for c in commands))} s):")

@@ -70,6 +70,7 @@ def test_the_products_phase_forms_both_products_from_every_stored_value_once(ben
     products = bench.phase_products(str(store), "cpu", "auto")
     assert products["values"] == bench.phase_read(str(store), "auto")["values"] > 0
     assert products["seconds"] > 0
+    assert bench.phase_products(str(store), "cpu", "auto", "blocks")["values"] == products["values"]
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
@@ -80,6 +81,7 @@ def test_the_benchmark_runs_end_to_end_on_a_tiny_shape(tmp_path):
     assert "(ingest + fit + extrapolate) / read, from the page cache" in out
     assert "fit + extrapolate / read, copied store, page cache" in out
     assert "its reads, Gram and W · M alone / read, copied store" in out
+    assert "the same read in blocks / read by the kernels" in out
     assert "as a user runs them" in out and "relex ingest" in out and "× the read" in out
     checks = [line for line in out.splitlines() if line.strip().startswith("step ")]
     assert len(checks) == 2 and all("goal <= 1e-4: met" in line for line in checks), out

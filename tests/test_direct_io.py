@@ -70,10 +70,13 @@ def test_a_refused_direct_read_falls_back_to_plain_reads_without_closing_under_o
 
 
 def test_fit_reads_the_same_values_either_way(store):
+    """Direct reads go by blocks of `chunk_elements` values; through the page cache the kernels read the float32
+    files themselves, in pieces of their own size (relex.fit.passes), so the float32 sums within a piece group the
+    products differently: equal to float32 rounding, not to the bit."""
     direct = fit_store(store, FitConfig(io="direct", chunk_elements=300))
     cached = fit_store(store, FitConfig(io="cached", chunk_elements=300))
     for name in store.trajectory_names:
-        np.testing.assert_array_equal(direct.grams[name], cached.grams[name])
+        np.testing.assert_allclose(direct.grams[name], cached.grams[name], rtol=2e-6, atol=0)
 
 
 @pytest.mark.parametrize("direct", [True, False])

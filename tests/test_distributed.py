@@ -46,7 +46,13 @@ if os.environ["RANK"] == "1":
         def read_into(self, name, out, rows=None):
             raise OSError(5, "Input/output error")
 
-        relex.store.TrajectoryReader.read_into = read_into
+        relex.store.TrajectoryReader.read_into = read_into  # blocks the store's reader reads
+        import relex.fit.gram
+
+        def file_gram(files):
+            raise OSError(5, "Input/output error")
+
+        relex.fit.gram.GRAM.file_gram = file_gram  # float32 files the kernels read themselves
     else:  # the disk fills up while writing a shard, or the process dies there
         import relex.io.stream_writer
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from relex.extrapolate import ExtrapolateConfig, extrapolate_store
 from relex.fit import FitConfig, FitResult, fit_store
 from relex.fit import gram as gram_module
-from relex.fit.gram import tensor_gram
+from relex.fit.passes import tensor_gram
 from tests.conftest import STEPS, cli
 
 OBSERVED = [s for s in STEPS if s <= 13]

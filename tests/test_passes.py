@@ -4,6 +4,7 @@ read once for both uses, and what the consumers are told equals a float64 comput
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -12,7 +13,8 @@ import torch
 from relex.errors import RelexError
 from relex.fit.gram import GRAM
 from relex.fit.passes import KEEP_REUSE, Consumer, PassBudget, ProductBuffers, TrajectoryPass, plan_pass, run_pass
-from tests.conftest import STEPS
+from relex.store import TrajectoryStore
+from tests.conftest import STEPS, cli
 
 
 class Recorder(Consumer):
@@ -58,7 +60,7 @@ BUDGETS = [
 def test_the_plan_stays_within_its_budget_and_reuses_its_buffers(store, budget, monkeypatch):
     reader = store.reader()
     names = store.trajectory_names
-    plan = plan_pass(reader, names, grams=names, sums=names, budget=budget)
+    plan = plan_pass(reader, names, grams=names, sums=names, budget=budget, in_kernel=False)
     assert plan.buffer_bytes <= budget.buffer_bytes and plan.buffer_count >= 2
     blocks = plan.blocks()
     assert all(len(STEPS) * reader.block_numel(b.name, b.rows) <= plan.buffer_elements for b in blocks)
@@ -81,7 +83,7 @@ def test_on_a_gpu_blocks_are_sized_by_its_memory(store, monkeypatch):
     names = store.trajectory_names
     cuda = torch.device("cuda")
     roomy = plan_pass(reader, names, grams=names, sums=names, budget=PassBudget(device_bytes=2**40), device=cuda)
-    cpu = plan_pass(reader, names, grams=names, sums=names, budget=PassBudget())
+    cpu = plan_pass(reader, names, grams=names, sums=names, budget=PassBudget(), in_kernel=False)
     assert roomy.tensors == cpu.tensors and roomy.pinned and not cpu.pinned
     device_bytes = 4 * 3 * len(STEPS) * 500  # three copies of a block of 500 values at every step
     tight = plan_pass(reader, names, grams=names, sums=names, budget=PassBudget(device_bytes=device_bytes), device=cuda)
@@ -100,7 +102,7 @@ def test_what_is_held_is_read_once_and_only_the_rest_twice(store, monkeypatch):
     sizes = {n: len(STEPS) * store.tensors[n].numel for n in names}
     hold = sorted(sizes.values())[len(sizes) // 2]
     budget = PassBudget(chunk_elements=len(STEPS) * 256, hold_elements=hold, keep_partly=True)
-    plan = plan_pass(reader, names, grams=names, sums=names, budget=budget)
+    plan = plan_pass(reader, names, grams=names, sums=names, budget=budget, in_kernel=False)
     assert {t.name for t in plan.tensors if t.held} == {n for n in names if sizes[n] <= hold}
     partly = [t for t in plan.tensors if t.partly_held]
     assert partly  # larger trajectories keep their first blocks...
@@ -149,40 +151,43 @@ def test_first_blocks_are_kept_past_the_page_cache_or_when_their_buffer_is_reuse
         return {t.name for t in plan.tensors if t.partly_held}
 
     # every larger trajectory: the one buffer is reused often enough, or the second read would be a disk read
-    many = plan_pass(reader, names, grams=names, sums=names, budget=budget)
+    many = plan_pass(reader, names, grams=names, sums=names, budget=budget, in_kernel=False)
     assert partly(many) == set(larger) and many.hold_elements > 0
     assert {t.name for t in many.tensors if t.held} == {n for n in names if sizes[n] <= hold}  # whole: either way
     # one larger trajectory: from the page cache, its buffer would be new memory for one use, so it is read twice
     one = [n for n in names if sizes[n] <= hold] + larger[:1]
-    few = plan_pass(reader, one, grams=one, sums=one, budget=budget)
+    few = plan_pass(reader, one, grams=one, sums=one, budget=budget, in_kernel=False)
     assert partly(few) == (set(larger[:1]) if direct else set())
     assert (few.hold_elements > 0) == direct and (few.allocate_hold() is not None) == direct
     assert {t.name for t in few.tensors if t.held} == {n for n in names if sizes[n] <= hold}
     # the budget decides when it says so
     for keep in (False, True):
-        told = plan_pass(reader, names, grams=names, sums=names, budget=dataclasses.replace(budget, keep_partly=keep))
+        told = plan_pass(reader, names, grams=names, sums=names, budget=dataclasses.replace(budget, keep_partly=keep), in_kernel=False)
         assert partly(told) == (set(larger) if keep else set()) and (told.hold_elements > 0) == keep
     # and what the consumers are told is the same whether the first blocks are kept or read again
     w = np.linspace(-1, 1, len(STEPS))[None]
     results = []
     for keep in (False, True):
         recorder = Recorder(w)
-        run_pass(reader, plan_pass(reader, names, grams=names, sums=names, budget=dataclasses.replace(budget, keep_partly=keep)),
-                 [recorder], GRAM)
+        plan = plan_pass(reader, names, grams=names, sums=names, budget=dataclasses.replace(budget, keep_partly=keep), in_kernel=False)
+        run_pass(reader, plan, [recorder], GRAM)
         results.append(recorder)
     for name in names:
         np.testing.assert_array_equal(results[0].grams[name], results[1].grams[name])
         torch.testing.assert_close(results[0].whole(name), results[1].whole(name), rtol=0, atol=0)
 
 
-def test_grams_and_sums_equal_a_float64_computation(store):
+@pytest.mark.parametrize("in_kernel", [False, True])
+def test_grams_and_sums_equal_a_float64_computation(store, in_kernel):
     reader = store.reader()
     names = store.trajectory_names
     rng = np.random.default_rng(0)
     first, second = Recorder(rng.normal(size=(2, len(STEPS)))), Recorder(rng.normal(size=(3, len(STEPS))))
     silent = Recorder(None)  # wants the Gram only
     budget = PassBudget(chunk_elements=len(STEPS) * 100, hold_elements=len(STEPS) * 1024)
-    run_pass(reader, plan_pass(reader, names, grams=names, sums=names, budget=budget), [first, silent, second], GRAM)
+    plan = plan_pass(reader, names, grams=names, sums=names, budget=budget, in_kernel=in_kernel)
+    assert all(t.in_kernel == in_kernel for t in plan.tensors) and (plan.blocks() == []) == in_kernel
+    run_pass(reader, plan, [first, silent, second], GRAM)
     assert first.order == names and not silent.parts
     for name in names:
         m = reader.read(name).double()
@@ -198,11 +203,13 @@ def test_sums_without_a_gram_need_no_gram_arithmetic(store):
     names = store.trajectory_names[:3]
     w = np.linspace(-1, 1, len(STEPS))[None]
     recorder = Recorder(w)
-    run_pass(reader, plan_pass(reader, names, sums=names, budget=PassBudget(chunk_elements=len(STEPS) * 64)), [recorder])
+    run_pass(reader, plan_pass(reader, names, sums=names, budget=PassBudget(chunk_elements=len(STEPS) * 64), in_kernel=False), [recorder])
     for name in names:
         torch.testing.assert_close(recorder.whole(name).double(), torch.from_numpy(w) @ reader.read(name).double(), rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="Gram arithmetic"):
-        TrajectoryPass(reader, plan_pass(reader, names, grams=names))
+        TrajectoryPass(reader, plan_pass(reader, names, grams=names, in_kernel=False))
+    with pytest.raises(ValueError, match="reads by the CPU kernels"):
+        TrajectoryPass(reader, plan_pass(reader, names, sums=names, in_kernel=True))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -306,3 +313,45 @@ def test_pooled_products_equal_new_ones_and_a_slow_consumer_keeps_its_values(sto
     assert products.held == 0 and products._free  # every hold let go, and buffers were there to reuse
     for name in names:
         torch.testing.assert_close(torch.cat(copied[name], dim=1), fresh.whole(name), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("use", ["gram", "sums"])
+@pytest.mark.parametrize("cut", ["step", "base"])
+def test_a_file_cut_short_while_the_kernels_read_it_is_named(store, use, cut):
+    """A checkpoint (or θ₀'s file) cut short after the pass opened it: the kernels' read comes up short, and the pass
+    fails in one line naming the file, whether the read was for a Gram or for sums."""
+    reader = store.reader()
+    names = store.trajectory_names
+    plan = plan_pass(reader, names, grams=names if use == "gram" else (), sums=names if use == "sums" else (), in_kernel=True)
+    assert all(t.in_kernel for t in plan.tensors)
+    files = reader.tensor_files(names[0])
+    which = 0 if cut == "step" else len(files.descriptors)  # θ₀'s file comes after the steps'
+    assert files.subtract.all() and files.base_descriptor >= 0  # a referenced run: every step is θ_s
+    path = files.files[which].path
+    os.truncate(path, int(files.offsets[0] if cut == "step" else files.base_offset))
+    with pytest.raises(RelexError, match="short read of tensor") as error:
+        run_pass(reader, plan, [Recorder(np.ones((1, len(STEPS))))], GRAM)
+    assert str(path) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_kernels_read_only_float32_files_through_the_page_cache(planted, store, tmp_path):
+    """Direct reads, a GPU and deltas stored in bf16 go through the store's reader in blocks; float32 files read
+    through the page cache go to the kernels, and both ways give the same sums."""
+    names = store.trajectory_names
+    assert all(store.reader().tensor_files(n) is not None for n in names)
+    assert all(store.reader(direct=True).tensor_files(n) is None for n in names)
+    on_gpu = plan_pass(store.reader(), names, grams=names, budget=PassBudget(device_bytes=2**30), device=torch.device("cuda"))
+    assert not any(t.in_kernel for t in on_gpu.tensors)
+    base, run, _ = planted
+    assert cli("ingest", run, "--base", base, "--out", tmp_path / "bf16", "--copy", "--delta-dtype", "bf16") == 0
+    halves = TrajectoryStore.open(tmp_path / "bf16").reader()
+    assert not any(t.in_kernel for t in plan_pass(halves, names, grams=names, sums=names).tensors)
+    w = np.linspace(-1, 1, len(STEPS))[None]
+    reader, results = store.reader(), []
+    for in_kernel in (False, True):
+        recorder = Recorder(w)
+        run_pass(reader, plan_pass(reader, names, grams=names, sums=names, in_kernel=in_kernel), [recorder], GRAM)
+        results.append(recorder)
+    for name in names:
+        np.testing.assert_allclose(results[1].grams[name], results[0].grams[name], rtol=1e-6)
+        torch.testing.assert_close(results[1].whole(name), results[0].whole(name), rtol=1e-6, atol=1e-9)

@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from relex import __version__
 from relex.errors import RelexError
-from relex.fit.gram import resolve_device, tensor_grams
-from relex.fit.passes import DEFAULT_CHUNK_ELEMENTS
+from relex.fit.gram import resolve_device
+from relex.fit.passes import DEFAULT_CHUNK_ELEMENTS, tensor_grams
 from relex.fit.temporal import TEMPORAL_MODELS, TemporalModel, make_temporal
 from relex.fit.trajectory_fit import TensorFit, fit_tensor
 from relex.io.atomic import atomic_output

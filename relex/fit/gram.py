@@ -18,24 +18,16 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
-from typing import Iterator
 
 import numpy as np
 import torch
 
 from relex.errors import RelexError
-from relex.fit.passes import (
-    DEFAULT_CHUNK_ELEMENTS,
-    GramCollector,
-    PassBudget,
-    non_finite_message,
-    plan_pass,
-    run_pass,
-    torch_sums,
-)
+from relex.store import TensorFiles
 
 LOG = logging.getLogger(__name__)
 
@@ -83,8 +75,12 @@ def cpu_gram(matrix: np.ndarray, threads: int = 1, tile: int | None = None) -> n
     gram = grams[0]
     for part in grams[1:]:  # in column order, as one thread would
         gram += part
-    lower = np.tril(gram)
-    return lower + np.tril(gram, -1).T
+    return symmetric(gram)
+
+
+def symmetric(lower: np.ndarray) -> np.ndarray:
+    """The whole Gram from the lower triangle the kernels form (the upper one is not read)."""
+    return np.tril(lower) + np.tril(lower, -1).T
 
 
 def _parts(n: int) -> list[int]:
@@ -138,6 +134,30 @@ def cpu_sums(w: np.ndarray, matrix: np.ndarray, out: np.ndarray, threads: int = 
     _run_parts(lambda i: kernel.weighted_sums(w, matrix, out, bounds[i], bounds[i + 1]), len(bounds) - 1, threads)
 
 
+def reads_files(device: torch.device) -> bool:
+    """Whether a pass on `device` can have the kernels read float32 values from their files themselves (on the CPU,
+    with numba: `file_gram`, `file_sums`)."""
+    return device.type == "cpu" and _reading_kernel() is not None
+
+
+def file_gram(files) -> np.ndarray:
+    """M Mᵀ in float64 for the tensor at `files` (relex.store.TensorFiles), by the kernel that reads its values as it
+    goes, one thread; a read that comes up short is an error naming the file."""
+    gram = np.zeros((len(files.descriptors),) * 2)
+    status = _reading_kernel().file_gram(files, gram)
+    if status:
+        raise files.read_failed(status)
+    return symmetric(gram)
+
+
+def file_sums(w: np.ndarray, files, out: np.ndarray, start: int, stop: int) -> None:
+    """(W · M)[:, start:stop] into `out` (float32, weights × (stop − start)) for the tensor at `files`, by the kernel
+    that reads its values as it goes, one thread."""
+    status = _reading_kernel().file_sums(w, files, out, start, stop)
+    if status:
+        raise files.read_failed(status)
+
+
 def prepare(device: torch.device) -> None:
     """Load (or, in a fresh install, compile) the CPU kernels now, so that the first block does not wait for them."""
     if device.type == "cpu":
@@ -165,6 +185,28 @@ def _kernel():
     return gram_kernel
 
 
+@functools.cache
+def _reading_kernel():
+    """relex.fit.gram_kernel when its reading kernels (`file_gram`, `file_sums`) run here, else None (no numba, or
+    a platform without `pread`: then passes read blocks for the kernels, relex.store). Tried on the null device,
+    which every read finds empty."""
+    kernel = _kernel()
+    if kernel is None:
+        return None
+    try:
+        fd = os.open(os.devnull, os.O_RDONLY)
+        try:
+            files = TensorFiles("trial", 3, np.array([fd], dtype=np.int32), np.zeros(1, dtype=np.int64),
+                                np.zeros(1, dtype=np.uint8), -1, 0, ())
+            found = (kernel.file_gram(files, np.zeros((1, 1))), kernel.file_sums(np.ones((2, 1), dtype=np.float32), files, np.zeros((2, 3), dtype=np.float32)))
+        finally:
+            os.close(fd)
+    except Exception as error:  # numba's own errors have no common base class
+        LOG.warning("the numba kernels that read files are unavailable (%s); passes read blocks for them", error)
+        return None
+    return kernel if found == (1, 1) else None
+
+
 def _thread_pool() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
@@ -181,20 +223,22 @@ def check_finite_gram(name: str, gram: np.ndarray, steps) -> None:
         raise RelexError(non_finite_message(name, step))
 
 
-# a pass's arithmetic (the Gram, its check, W · M), as a pass (relex.fit.passes) and the store's stream
+# a pass's arithmetic (the Gram, its check, W · M, from blocks read for it or from the files), as a pass (relex.fit.passes) and the store's stream
 # (`TrajectoryReader.stream`) call it
-GRAM = SimpleNamespace(prepare=prepare, chunk_gram=chunk_gram, check=check_finite_gram, chunk_sums=chunk_sums)
+GRAM = SimpleNamespace(prepare=prepare, chunk_gram=chunk_gram, check=check_finite_gram, chunk_sums=chunk_sums,
+                       reads_files=reads_files, file_gram=file_gram, file_sums=file_sums)
 
 
-def tensor_gram(reader, name: str, device: torch.device, max_elements: int) -> np.ndarray:
-    """G for tensor `name` over the reader's steps, reading one row block at a time."""
-    return dict(tensor_grams(reader, [name], device, max_elements))[name]
+def non_finite_message(name: str, step: int) -> str:
+    return (f"tensor {name}: NaN or Inf at step {step} (the checkpoint holds non-finite weights, or changed after "
+            "ingest; `relex ingest --verify` checks every value up front)")
 
 
-def tensor_grams(reader, names: list[str], device: torch.device, max_elements: int = DEFAULT_CHUNK_ELEMENTS,
-                 desc: str | None = None) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, G) for each of `names` in order, from one pass reading blocks of at most `max_elements` values."""
-    collector = GramCollector()
-    plan = plan_pass(reader, names, grams=names, budget=PassBudget(chunk_elements=max_elements), device=device)
-    run_pass(reader, plan, [collector], GRAM, desc=desc)
-    return iter(collector.grams.items())
+def torch_sums(w: torch.Tensor, matrix: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """W · M by torch's matrix multiply on the matrix's device, on the host: into `out` (float32, weights × c) when
+    given, else new memory."""
+    if out is None:
+        return (w @ matrix).cpu()
+    if matrix.device.type == "cpu":
+        return torch.matmul(w, matrix, out=out)
+    return out.copy_(w @ matrix)

@@ -21,6 +21,13 @@ consumers that say when they are done with them.
 On the CPU a block's Gram is formed by whichever thread would otherwise wait (a reader or the caller); on a GPU
 blocks are copied from the pinned buffers on a side stream into one of two device buffers, so the copy of one
 block runs while the kernels of the one before do (`_Staging`). Either way it is the same code, the same blocks.
+
+On the CPU, where a tensor's values are float32 in safetensors files read through the page cache (a copied store,
+or float32 checkpoints referenced in place), there are no blocks: the kernels read the values themselves, a
+piece of every step's row at a time, each piece into the core's cache and its products formed there, on threads
+of their own (`_KernelReads`, relex.fit.gram_kernel). A block the size of a trajectory is memory the reader writes
+and each product reads back, which is what held a pass to 5-7 times a plain read of the store; a piece never
+leaves the cache. The consumers are told the same things in the same order, the sums in row blocks.
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ import dataclasses
 import itertools
 import logging
 import math
+import queue
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Collection, Iterator, Sequence
 
@@ -38,6 +47,7 @@ import torch
 from tqdm.auto import tqdm
 
 from relex.errors import RelexError
+from relex.fit.gram import GRAM, non_finite_message, reads_files, torch_sums
 from relex.store import STREAM_BUFFERS, STREAM_BYTES, Block, TrajectoryReader
 
 LOG = logging.getLogger(__name__)
@@ -79,6 +89,9 @@ class TensorReads:
     gram: bool
     sums: bool
     held_blocks: int = 0
+    # read by the CPU kernels themselves, straight from its files a piece at a time, for each use (`_KernelReads`):
+    # no block of it goes through the stream or its buffers
+    in_kernel: bool = False
 
     @property
     def held(self) -> bool:
@@ -93,6 +106,8 @@ class TensorReads:
 
     def blocks(self, gram_in_reader: bool) -> list[Block]:
         """The stream blocks: a read for the Gram, then a second one for the sums of the blocks not held."""
+        if self.in_kernel:
+            return []
         reads = []
         if self.gram:
             reads += [Block(self.name, rows, work=gram_in_reader) for rows in self.rows]
@@ -138,9 +153,17 @@ class PassPlan:
 
 def plan_pass(
     reader: TrajectoryReader, names: Sequence[str], *, grams: Collection[str] = (), sums: Collection[str] = (),
-    budget: PassBudget = PassBudget(), device: torch.device | None = None,
+    budget: PassBudget = PassBudget(), device: torch.device | None = None, in_kernel: bool | None = None,
 ) -> PassPlan:
     """The reads of `names` (in this order) for the Gram of those in `grams` and weighted sums of those in `sums`.
+
+    On the CPU, a tensor that every step stores in float32 in a safetensors file read through the page cache
+    (`TrajectoryReader.tensor_files`) is read by the kernels themselves (`in_kernel`, default: wherever they run,
+    relex.fit.gram.reads_files): a piece of every step's row at a time, into the core's cache, once for its Gram and
+    once for its sums, so none of the blocks, buffers or holding below apply to it. Measured on the copied SmolLM2
+    store (T = 20, 10.8 GB, page cache): the pass's reads, Grams and W · M took 1.65-2.08 s this way against
+    3.26-3.65 s through blocks (4 alternating runs each, docs/performance.md, stop 35). The others (another
+    dtype, verl's shards, `--io direct`, a GPU) are read in blocks by the store's reader, as follows.
 
     Blocks are at most `chunk_elements` values, and a trajectory read whole for both uses at most `hold_elements`,
     both capped so that MIN_BUFFERS buffers fit in `buffer_bytes` and, on a GPU, so that a block's copies there
@@ -163,10 +186,16 @@ def plan_pass(
     if device is not None and device.type == "cuda":
         largest_block = min(largest_block, device_block_elements(budget, device))
     chunk, hold = min(budget.chunk_elements, largest_block), min(budget.hold_elements, largest_block)
+    if in_kernel is None:
+        in_kernel = reads_files(device or torch.device("cpu"))
     tensors = []
     for name in names:
         gram, summed = name in grams, name in sums
         if not (gram or summed):
+            continue
+        if in_kernel and reader.tensor_files(name) is not None:  # its sums are handed over in row blocks
+            rows = tuple(reader.row_blocks(name, chunk)) if summed else (None,)
+            tensors.append(TensorReads(name, rows, gram, summed, in_kernel=True))
             continue
         if gram and summed and steps * reader.infos[name].numel <= hold:
             tensors.append(TensorReads(name, (None,), gram, summed, held_blocks=1))
@@ -179,7 +208,7 @@ def plan_pass(
         keep = reader.direct or sum(kept) >= KEEP_REUSE * max(kept, default=0)
     if not keep:  # read twice instead
         tensors, kept = [dataclasses.replace(t, held_blocks=0) if t.partly_held else t for t in tensors], []
-    largest = max((steps * reader.block_numel(t.name, r) for t in tensors for r in t.rows), default=0)
+    largest = max((steps * reader.block_numel(t.name, r) for t in tensors if not t.in_kernel for r in t.rows), default=0)
     count = max(MIN_BUFFERS, min(STREAM_BUFFERS, budget.buffer_bytes // max(1, 4 * largest)))
     return PassPlan(tuple(tensors), steps, device or torch.device("cpu"), largest, count, max(kept, default=0))
 
@@ -321,7 +350,10 @@ class TrajectoryPass:
         if gram is None and grams:
             raise ValueError("plan_pass planned Gram matrices; run_pass needs the Gram arithmetic (relex.fit.gram.GRAM)")
         self.reader, self.plan, self.arithmetic, self.device = reader, plan, gram, plan.device
-        work = self._block_gram if grams else None
+        in_kernel = [t for t in plan.tensors if t.in_kernel]
+        if gram is None and in_kernel:
+            raise ValueError("plan_pass planned reads by the CPU kernels; run_pass needs their arithmetic (relex.fit.gram.GRAM)")
+        work = self._block_gram if any(t.gram and not t.in_kernel for t in plan.tensors) else None
         if gram is not None:  # load the CPU kernels while the first reads run
             threading.Thread(target=gram.prepare, args=(self.device,), name="relex-prepare", daemon=True).start()
         self.buffers = plan.allocate()
@@ -333,6 +365,7 @@ class TrajectoryPass:
         self._last_partly = partly[-1] if partly else None  # after it, the hold buffer is given back
         self._blocks = reader.stream(plan.blocks(), work=work, buffers=self.buffers)
         self._staging = _Staging(self.device, plan.buffer_elements)
+        self._kernel = _KernelReads(reader, in_kernel, gram, kernel_threads()) if in_kernel else None  # starts its threads
 
     def _block_gram(self, block: Block, matrix: torch.Tensor) -> torch.Tensor:
         """A block's Gram, formed by whichever of the stream's threads would otherwise wait (on the CPU)."""
@@ -346,9 +379,16 @@ class TrajectoryPass:
 
     def close(self) -> None:
         self._blocks.close()
+        if self._kernel is not None:
+            self._kernel.close()
 
     def tensor(self, reads: TensorReads, consumers: Sequence[Consumer]) -> None:
         """Take every planned read of one tensor, telling the consumers its Gram and sums."""
+        if reads.in_kernel:
+            self._kernel_tensor(reads, consumers)
+            for consumer in consumers:
+                consumer.done(reads.name)
+            return
         gram, held = None, []
         if reads.gram:
             gram = self._gram(reads, held)
@@ -394,10 +434,56 @@ class TrajectoryPass:
         self.arithmetic.check(reads.name, gram, self.reader.steps)
         return gram
 
+    def _kernel_tensor(self, reads: TensorReads, consumers: Sequence[Consumer]) -> None:
+        """One tensor the kernels read themselves: its Gram (formed ahead by `_KernelReads`), then W · M for the
+        weights the consumers ask for, all of them in one product per row block. Every block is queued at once, so
+        the kernels form the next ones while the consumers take one."""
+        name, gram = reads.name, None
+        if reads.gram:
+            gram = self._kernel.gram(name)
+            self.arithmetic.check(name, gram, self.reader.steps)
+            for consumer in consumers:
+                consumer.gram(name, gram)
+        if not reads.sums:
+            return
+        wanted = self._wanted(reads, consumers, gram)
+        if not wanted:
+            return
+        w = np.ascontiguousarray(np.concatenate([w for _, w in wanted]), dtype=np.float32)
+        blocks, start, formed = [], 0, []
+        for rows in reads.rows:
+            columns = self.reader.block_numel(name, rows)
+            blocks.append((rows, self._out(len(w), columns), start))
+            start += columns
+        try:
+            formed = self._kernel.sums(name, w, [(out.numpy(), at) for _, out, at in blocks])
+            for (rows, sums, _), done in zip(blocks, formed):
+                done.result()
+                if gram is None and not math.isfinite(float(sums.sum())):
+                    # a NaN or Inf in the values, or an overflow: their Gram's diagonal names the step (relex.fit.gram)
+                    self.arithmetic.check(name, self._kernel.gram_now(name), self.reader.steps)
+                self._tell(reads, wanted, rows, sums)
+        finally:
+            self._kernel.settle(formed)
+            if self.products is not None:
+                for _, sums, _ in blocks:
+                    self.products.release(sums)
+
+    def _wanted(self, reads: TensorReads, consumers: Sequence[Consumer], gram: np.ndarray | None) -> list:
+        """(consumer, W) for each consumer that asks for weighted sums of this tensor."""
+        wanted = [(consumer, consumer.weights(reads.name, gram)) for consumer in consumers]
+        return [(consumer, w) for consumer, w in wanted if w is not None]
+
+    @staticmethod
+    def _tell(reads: TensorReads, wanted: list, rows, sums: torch.Tensor) -> None:
+        """Each consumer its rows of one product (its W's rows, stacked in `_wanted`'s order)."""
+        bounds = np.cumsum([0] + [len(w) for _, w in wanted])
+        for (consumer, _), a, b in zip(wanted, bounds[:-1], bounds[1:]):
+            consumer.sums(reads.name, rows, sums[a:b])
+
     def _sums(self, reads: TensorReads, consumers: Sequence[Consumer], gram: np.ndarray | None, held: list) -> None:
         """W · M block by block for the weights the consumers ask for, all of them in one product per block."""
-        wanted = [(consumer, consumer.weights(reads.name, gram)) for consumer in consumers]
-        wanted = [(consumer, w) for consumer, w in wanted if w is not None]
+        wanted = self._wanted(reads, consumers, gram)
         again = ((rows, matrix, None) for rows, matrix, _ in self._read(reads, reads.held_blocks))
         blocks = itertools.chain(held, again)
         if not wanted:
@@ -405,32 +491,108 @@ class TrajectoryPass:
                 pass
             return
         w = torch.as_tensor(np.concatenate([w for _, w in wanted]), dtype=torch.float32, device=self.device)
-        bounds = np.cumsum([0] + [len(w) for _, w in wanted])
         for rows, matrix, staged in blocks:
             sums = self._product(w, staged if staged is not None else self._staging.put(matrix))
             try:
                 check_finite_inputs(reads.name, sums, matrix, self.reader.steps)
-                for (consumer, _), a, b in zip(wanted, bounds[:-1], bounds[1:]):
-                    consumer.sums(reads.name, rows, sums[a:b])
+                self._tell(reads, wanted, rows, sums)
             finally:
                 if self.products is not None:
                     self.products.release(sums)
 
+    def _out(self, rows: int, columns: int) -> torch.Tensor:
+        """Host memory for a product (rows × columns float32): new, or a buffer of `products`."""
+        if self.products is None:
+            return torch.empty(rows, columns, dtype=torch.float32)
+        return self.products.take(rows * columns).view(rows, columns)
+
     def _product(self, w: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
         """W · M on the host: new memory, or a buffer of `products`; by the arithmetic's `chunk_sums` (on the CPU,
         relex.fit.gram_kernel's), else torch's matrix multiply."""
-        out = None if self.products is None else self.products.take(len(w) * matrix.shape[1]).view(len(w), matrix.shape[1])
+        out = None if self.products is None else self._out(len(w), matrix.shape[1])
         return (torch_sums if self.arithmetic is None else self.arithmetic.chunk_sums)(w, matrix, out)
 
 
-def torch_sums(w: torch.Tensor, matrix: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """W · M by torch's matrix multiply on the matrix's device, on the host: into `out` (float32, weights × c) when
-    given, else new memory."""
-    if out is None:
-        return (w @ matrix).cpu()
-    if matrix.device.type == "cpu":
-        return torch.matmul(w, matrix, out=out)
-    return out.copy_(w @ matrix)
+MAX_KERNEL_THREADS = 8  # threads of `_KernelReads`: each reads and computes on its own core, at most this many
+
+
+def kernel_threads() -> int:
+    """Threads for the kernels that read the values themselves: as many as torch would compute on (the cores, or
+    what OMP_NUM_THREADS says), at most MAX_KERNEL_THREADS."""
+    return max(1, min(MAX_KERNEL_THREADS, torch.get_num_threads()))
+
+
+class _KernelReads:
+    """The tensors a pass's kernels read themselves (`TensorReads.in_kernel`), on threads of their own, each
+    running a kernel (which releases the GIL) start to end on its core. Every Gram is queued at the start in plan
+    order: a T × T result, so they run ahead of the caller at no cost in memory. A tensor's W · M, which needs
+    the weights fitted from its Gram, is queued when the caller has them (`sums`), one job per row block, ahead of
+    any Gram, so that while the caller hands one block to the consumers the threads form the next. A failed job's
+    error is raised where the caller waits for it."""
+
+    def __init__(self, reader: TrajectoryReader, tensors: Sequence[TensorReads], arithmetic, threads: int):
+        self.arithmetic, self.count = arithmetic, threads
+        self.files = {t.name: reader.tensor_files(t.name) for t in tensors}
+        self.jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self.order = itertools.count()  # ties of priority go first come, first served
+        self.grams = {t.name: self._queue(1, arithmetic.file_gram, self.files[t.name]) for t in tensors if t.gram}
+        self.threads = [threading.Thread(target=self._run, name="relex-kernel", daemon=True) for _ in range(threads)]
+        # the kernels take their cores; the caller's own arithmetic (the consumers': θ₀ + W · M, norms) gets the rest,
+        # or one: torch's idle threads spin a while after each product, on the cores the kernels need
+        self.torch_threads = torch.get_num_threads()
+        torch.set_num_threads(max(1, self.torch_threads - threads))
+        for thread in self.threads:
+            thread.start()
+
+    def _queue(self, priority: int, job, *args) -> Future:
+        future: Future = Future()
+        self.jobs.put((priority, next(self.order), job, args, future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            _, _, job, args, future = self.jobs.get()
+            if job is None:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(job(*args))
+            except BaseException as error:  # raised where the caller waits for it
+                future.set_exception(error)
+
+    def gram(self, name: str) -> np.ndarray:
+        """The Gram of tensor `name`, queued at the start; waits for it."""
+        return self.grams.pop(name).result()
+
+    def gram_now(self, name: str) -> np.ndarray:
+        """The Gram of tensor `name`, formed on the caller's thread (a pass that planned none, finding a NaN)."""
+        return self.arithmetic.file_gram(self.files[name])
+
+    def sums(self, name: str, w: np.ndarray, blocks: Sequence[tuple[np.ndarray, int]]) -> list[Future]:
+        """Queue W · M of tensor `name` for each block (out, first column): `out` (float32, rows of W × columns)
+        gets the block's columns. One job per block, ahead of any Gram; their futures, in order."""
+        files = self.files[name]
+        return [self._queue(0, self.arithmetic.file_sums, w, files, out, at, at + out.shape[1]) for out, at in blocks]
+
+    @staticmethod
+    def settle(jobs: Sequence[Future]) -> None:
+        """Drop the jobs not begun and wait for the others, so that no kernel still writes into memory about to be
+        given back (after an error in one of them, already raised)."""
+        for job in jobs:
+            if not job.cancel():
+                try:
+                    job.result()
+                except BaseException:  # noqa: BLE001 - the error that matters was raised; this job only had to end
+                    pass
+
+    def close(self) -> None:
+        """Stop the threads once their running kernels return; queued jobs are dropped."""
+        for _ in self.threads:
+            self.jobs.put((-1, next(self.order), None, (), None))
+        for thread in self.threads:
+            thread.join()
+        torch.set_num_threads(self.torch_threads)
 
 
 class _Staging:
@@ -470,11 +632,6 @@ class _Staging:
             self.copied = None
 
 
-def non_finite_message(name: str, step: int) -> str:
-    return (f"tensor {name}: NaN or Inf at step {step} (the checkpoint holds non-finite weights, or changed after "
-            "ingest; `relex ingest --verify` checks every value up front)")
-
-
 def check_finite_inputs(name: str, sums: torch.Tensor, matrix: torch.Tensor, steps) -> None:
     """Refuse weighted sums made non-finite by a NaN or Inf in the values read, naming the step that holds it.
 
@@ -487,3 +644,17 @@ def check_finite_inputs(name: str, sums: torch.Tensor, matrix: torch.Tensor, ste
     bad = ~torch.isfinite(matrix).all(dim=1).cpu()
     if bad.any():
         raise RelexError(non_finite_message(name, int(steps[int(bad.nonzero()[0, 0])])))
+
+
+def tensor_gram(reader, name: str, device: torch.device, max_elements: int) -> np.ndarray:
+    """G for tensor `name` over the reader's steps, reading one row block at a time."""
+    return dict(tensor_grams(reader, [name], device, max_elements))[name]
+
+
+def tensor_grams(reader, names: list[str], device: torch.device, max_elements: int = DEFAULT_CHUNK_ELEMENTS,
+                 desc: str | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, G) for each of `names` in order, from one pass reading blocks of at most `max_elements` values."""
+    collector = GramCollector()
+    plan = plan_pass(reader, names, grams=names, budget=PassBudget(chunk_elements=max_elements), device=device)
+    run_pass(reader, plan, [collector], GRAM, desc=desc)
+    return iter(collector.grams.items())

@@ -80,6 +80,16 @@ class SafetensorsFile:
     def direct(self) -> bool:
         return self._direct_fd >= 0 and not self._direct_refused
 
+    @property
+    def descriptor(self) -> int:
+        """The file's plain (page-cache) descriptor, for a caller that reads spans itself (relex.store.TensorFiles)."""
+        return self._fd
+
+    def short_read(self, name: str) -> RelexError:
+        """The error for a read of tensor `name` that found fewer bytes than its header promised (the file was
+        truncated or rewritten after it was opened)."""
+        return self._fail(f"short read of tensor {name}")
+
     def _fail(self, why: str) -> RelexError:
         return RelexError(f"{self.path}: corrupt or truncated safetensors file ({why})")
 
@@ -192,7 +202,7 @@ class SafetensorsFile:
         while done < nbytes:
             got = os.preadv(self._fd, [view[done:]], offset + done)
             if got <= 0:
-                raise self._fail(f"short read of tensor {name}")
+                raise self.short_read(name)
             done += got
 
     def _read_direct(self, name: str, offset: int, nbytes: int, view: memoryview) -> None:
@@ -206,7 +216,7 @@ class SafetensorsFile:
             got = os.preadv(self._direct_fd, [memoryview(bounce)[:length]], start)
             take = min(got - skip, nbytes - done)
             if take <= 0:
-                raise self._fail(f"short read of tensor {name}")
+                raise self.short_read(name)
             view[done : done + take] = memoryview(bounce)[skip : skip + take]
             done += take
 
