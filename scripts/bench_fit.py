@@ -30,8 +30,9 @@ that store, the other's pages dropped first (the two do not fit in a 24 GiB mach
 each phase, and 3 once more with `--io direct` (O_DIRECT reads, what `--io auto` picks for a store larger than the
 memory available), each with the bytes of the run's files it read per second. The ratios (ingest + fit +
 extrapolate) / read, both ways, referenced / copied extrapolation, copied extrapolation / read and the products
-alone / read are formed from medians of the same run. Last, the check (`phase_check`): the last extrapolation's
-checkpoints against RELEX in float64 from the checkpoint files, untimed.
+alone / read are formed from medians of the same run. Last, the check (`phase_check`): the checkpoints of the two
+last extrapolations (from storage: through the page cache, read by the kernels, and with direct reads, read in
+blocks) against RELEX in float64 from the checkpoint files, untimed.
 
 Peak RSS is each phase's own: VmHWM of the phase's process, read by itself at its end. ru_maxrss (RUSAGE_SELF in
 the child, or os.wait4 on it) is not: Linux carries the forking parent's RSS over into it at exec.
@@ -426,6 +427,7 @@ def bench_verl(args) -> None:
     workdir = Path(args.workdir)
     run = build_verl_run(workdir, args.shape, args.steps)
     base, store, out = workdir / "base", workdir / "store", workdir / "out"
+    out_direct = workdir / "out-direct"  # the checkpoints of the pass with direct reads, checked beside `out`'s
     copied = workdir / f"store-copied-{args.shape}-T{args.steps}"
     copy_timed = workdir / "store-copy-timed"  # removed after each run of its phase
     if not (copied / "manifest.json").is_file():
@@ -448,7 +450,7 @@ def bench_verl(args) -> None:
     from_storage = {"read every byte of the run and the base once": read, "relex ingest (headers: names, shapes, dtypes, sizes)": ingest,
                     "fit + extrapolate to two targets": extrapolate,
                     # what --io auto picks for a store larger than the memory available
-                    "fit + extrapolate, reads direct (--io direct)": ("extrapolate", str(store), str(out), args.device, "direct")}
+                    "fit + extrapolate, reads direct (--io direct)": ("extrapolate", str(store), str(out_direct), args.device, "direct")}
     storage = hasattr(os, "posix_fadvise")
     runs = {("ram", label): [] for label in in_ram} | ({("storage", label): [] for label in from_storage} if storage else {})
     on_copied = [label for label, phase in in_ram.items() if str(copied) in phase]
@@ -480,7 +482,8 @@ def bench_verl(args) -> None:
             # a virtual machine's disk may be cached by its host, invisibly: the untimed read above put that cache
             # in the same state for every phase below
             for label, phase in from_storage.items():
-                shutil.rmtree(out, ignore_errors=True)
+                if phase[0] == "extrapolate":
+                    shutil.rmtree(phase[2], ignore_errors=True)
                 evict(run, base)
                 runs["storage", label].append(run_phase(*phase))
     print(f"run: verl layout, {args.shape} shapes, T={args.steps} float32 checkpoints + base, {size / 1e9:.2f} GB; "
@@ -525,12 +528,14 @@ def bench_verl(args) -> None:
           f"{total / medians['ram', next(iter(in_ram))]:.2f} × the read")
     if not storage:
         print("this OS has no posix_fadvise: the page cache could not be dropped, so only warm reads were measured")
-    check = run_phase("check", str(run), str(base), str(out), str(2 * last), str(5 * last))
-    print(f"results (the last extrapolation, {'referenced, --io direct' if storage else 'copied store'}) against RELEX in "
-          f"float64 from the checkpoint files, each written as float32; largest relative error of {check['tensors']} tensors:")
-    for target, error in check["worst"].items():
-        print(f"  step {target}: {error:.1e}   (goal <= 1e-4: {'met' if error <= 1e-4 else 'NOT MET'}; "
-              f"float32 itself loses up to {check['format'][target]:.1e} of the predicted update)")
+    checked = {"referenced, read by the kernels through the page cache": out, "referenced, --io direct: read in blocks": out_direct}
+    for what, folder in (checked if storage else {"copied store, read by the kernels": out}).items():
+        check = run_phase("check", str(run), str(base), str(folder), str(2 * last), str(5 * last))
+        print(f"results ({what}) against RELEX in float64 from the checkpoint files, each written as float32; largest "
+              f"relative error of {check['tensors']} tensors:")
+        for target, error in check["worst"].items():
+            print(f"  step {target}: {error:.1e}   (goal <= 1e-4: {'met' if error <= 1e-4 else 'NOT MET'}; "
+                  f"float32 itself loses up to {check['format'][target]:.1e} of the predicted update)")
 
 
 def _resident_bytes(*folders: Path) -> int | None:

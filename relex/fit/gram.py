@@ -11,7 +11,9 @@ a NaN or Inf anywhere in step i's row of M makes G[i, i] = Σ M[i, c]² non-fini
 names the step, at no cost beyond the product itself (`check_finite_gram`).
 
 A pass's other product, a block's weighted sums W · M (`chunk_sums`), is here too, so that the pass gets all its
-arithmetic from one place (`GRAM`): on the CPU by the kernel's `weighted_sums`, elsewhere by torch.
+arithmetic from one place (`GRAM`): on the CPU by the kernel's `weighted_sums`, elsewhere by torch. So are both
+products of a tensor whose float32 files the kernels read themselves, piece by piece (`file_gram`, `file_sums`;
+where they run: `reads_files`), which is how a pass reads such tensors on the CPU (relex.fit.passes).
 """
 
 from __future__ import annotations

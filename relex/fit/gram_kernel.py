@@ -1,5 +1,6 @@
 """CPU kernels for a pass's arithmetic on one block, compiled with numba: the Gram matrix M Mᵀ (T × T, T small,
-M's rows long), and the weighted sums W · M (`weighted_sums`, below).
+M's rows long), and the weighted sums W · M (`weighted_sums`, below); and both of them for a tensor whose files
+they read themselves (`file_gram`, `file_sums`, at the end).
 
 Why not `M @ M.T`: torch's CPU BLAS (MKL) treats this skinny product (m = n = T ≈ 20, k = millions) like any
 other GEMM and, on the AMD EPYC machines we measured, runs it at about a third of the core's float32 FMA

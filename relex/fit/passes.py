@@ -160,10 +160,12 @@ def plan_pass(
     On the CPU, a tensor that every step stores in float32 in a safetensors file read through the page cache
     (`TrajectoryReader.tensor_files`) is read by the kernels themselves (`in_kernel`, default: wherever they run,
     relex.fit.gram.reads_files): a piece of every step's row at a time, into the core's cache, once for its Gram and
-    once for its sums, so none of the blocks, buffers or holding below apply to it. Measured on the copied SmolLM2
-    store (T = 20, 10.8 GB, page cache): the pass's reads, Grams and W · M took 1.65-2.08 s this way against
-    3.26-3.65 s through blocks (4 alternating runs each, docs/performance.md, stop 35). The others (another
-    dtype, verl's shards, `--io direct`, a GPU) are read in blocks by the store's reader, as follows.
+    once for its sums, so none of the blocks, buffers or holding below apply to it; its sums are handed over in
+    the row blocks `chunk_elements` gives. Measured on the SmolLM2 store (T = 20, 10.8 GB, page cache, alternating
+    with the blocks below): `relex extrapolate` to two targets took 2.41-2.75 s against 3.39-3.71 s on copied
+    deltas, 2.56-3.24 s against 3.48-4.78 s on the checkpoints referenced in place (4 runs each; docs/performance.md,
+    stop 35). The others (another dtype, verl's shards, `--io direct`, a GPU) are read in blocks by the store's
+    reader, as follows.
 
     Blocks are at most `chunk_elements` values, and a trajectory read whole for both uses at most `hold_elements`,
     both capped so that MIN_BUFFERS buffers fit in `buffer_bytes` and, on a GPU, so that a block's copies there
