@@ -503,19 +503,24 @@ class Block(NamedTuple):
     work: bool = False  # the caller's per-block work (`stream`'s `work`: a Gram, for relex.fit) runs on this block
 
 
+KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # what `TensorFiles.bf16` says of each file
+
+
 class TensorFiles(NamedTuple):
     """Where one tensor's values lie at every step, for reads a caller makes itself (relex.fit.gram_kernel's reading
-    kernels): each step's file and the byte offset of the tensor's first value there, float32, read through the
-    page cache; whether the step's values are θ_s (a checkpoint read in place: θ₀ is subtracted) and where θ₀'s
-    float32 values lie (descriptor -1 when no step needs them)."""
+    kernels): each step's file and the byte offset of the tensor's first value there, float32 or bf16
+    (`KERNEL_DTYPES`), read through the page cache; whether the step's values are θ_s (a checkpoint read in place:
+    θ₀ is subtracted) and where θ₀'s values lie (descriptor -1 when no step needs them)."""
 
     name: str
     numel: int
     descriptors: np.ndarray  # int32, one open file per step
     offsets: np.ndarray  # int64
+    bf16: np.ndarray  # uint8: 1 where the step stores bf16 (converted to float32 as read), 0 for float32
     subtract: np.ndarray  # uint8: 1 where the step holds θ_s
     base_descriptor: int
     base_offset: int
+    base_bf16: int
     files: tuple[SafetensorsFile, ...]  # the steps' files, then θ₀'s when read: to name the one a read failed in
 
     def read_failed(self, status: int) -> RelexError:
@@ -638,9 +643,17 @@ class TrajectoryReader:
 
     def _float32_files(self, name: str) -> list[SafetensorsFile] | None:
         """The file holding tensor `name` at each step, when each stores it in float32 in a safetensors file (else
-        None: `_read_converted`); a referenced checkpoint's shape is checked here, once per tensor and pass."""
+        None: `_read_converted`)."""
+        files = self._step_files(name)
+        files = None if files is None or any(dtype != torch.float32 for _, dtype in files) else [file for file, _ in files]
+        self._files[name] = files
+        return files
+
+    def _step_files(self, name: str) -> list[tuple[SafetensorsFile, torch.dtype]] | None:
+        """The file holding tensor `name` at each step and its dtype there, when each step stores it in a safetensors
+        file (else None: verl's shards); a referenced checkpoint's shape is checked here, once per tensor and pass."""
         expected = self.infos[name].shape
-        files = []
+        files: list | None = []
         for entry, source in zip(self.entries, self._sources):
             info = source.info(name)
             if entry.kind == "checkpoint" and info.shape != expected:  # checked at ingest; the folder may have changed
@@ -648,31 +661,32 @@ class TrajectoryReader:
                     f"tensor {name}: shape {info.shape} at step {entry.step}, {expected} at base "
                     f"({self.store.checkpoint_dir(entry)} changed after ingest; ingest the run again)"
                 )
-            if files is not None and info.dtype == torch.float32 and isinstance(source, CheckpointReader):
-                files.append(source.file_of(name))
+            if files is not None and isinstance(source, CheckpointReader):
+                files.append((source.file_of(name), info.dtype))
             else:
                 files = None
-        self._files[name] = files
         return files
 
     def tensor_files(self, name: str) -> TensorFiles | None:
-        """Where tensor `name`'s float32 values lie at every step (and θ₀'s, for a referenced checkpoint), for a
-        caller that reads them itself; None when some step (or θ₀) stores it in another dtype or format, or reads go
-        past the page cache (`direct`): those are read by `read_into`."""
-        files = None if self.direct else (self._files[name] if name in self._files else self._float32_files(name))
-        if files is None or any(file.direct for file in files):
+        """Where tensor `name`'s values lie at every step (and θ₀'s, for a referenced checkpoint), for a caller that
+        reads them itself; None when some step (or θ₀) stores it in a dtype other than float32 and bf16 or outside
+        a safetensors file, or reads go past the page cache (`direct`): those are read by `read_into`."""
+        files = None if self.direct else self._step_files(name)
+        if files is None or any(file.direct or dtype not in KERNEL_DTYPES for file, dtype in files):
             return None
-        base_descriptor, base_offset, used = -1, 0, list(files)
+        base_descriptor, base_offset, base_bf16, used = -1, 0, 0, [file for file, _ in files]
         if self._subtract:
-            if self.base.info(name).dtype != torch.float32:
+            dtype = self.base.info(name).dtype
+            if dtype not in KERNEL_DTYPES:
                 return None
             base = self.base.file_of(name)
-            base_descriptor, base_offset = base.descriptor, base.span(name)[0]
+            base_descriptor, base_offset, base_bf16 = base.descriptor, base.span(name)[0], KERNEL_DTYPES[dtype]
             used.append(base)
         return TensorFiles(
-            name, self.infos[name].numel, np.array([file.descriptor for file in files], dtype=np.int32),
-            np.array([file.span(name)[0] for file in files], dtype=np.int64),
-            np.array(self._referenced, dtype=np.uint8), base_descriptor, base_offset, tuple(used),
+            name, self.infos[name].numel, np.array([file.descriptor for file, _ in files], dtype=np.int32),
+            np.array([file.span(name)[0] for file, _ in files], dtype=np.int64),
+            np.array([KERNEL_DTYPES[dtype] for _, dtype in files], dtype=np.uint8),
+            np.array(self._referenced, dtype=np.uint8), base_descriptor, base_offset, base_bf16, tuple(used),
         )
 
     def _read_converted(self, name: str, out: torch.Tensor, rows: tuple[int, int] | None, base: torch.Tensor | None) -> None:

@@ -14,7 +14,8 @@ from relex.errors import RelexError
 from relex.fit.gram import GRAM
 from relex.fit.passes import KEEP_REUSE, Consumer, PassBudget, ProductBuffers, TrajectoryPass, plan_pass, run_pass
 from relex.store import TrajectoryStore
-from tests.conftest import STEPS, cli
+from relex.synthetic import write_planted_run
+from tests.conftest import STEPS, cli, make_base
 
 
 class Recorder(Consumer):
@@ -334,24 +335,43 @@ def test_a_file_cut_short_while_the_kernels_read_it_is_named(store, use, cut):
     assert str(path) in str(error.value) and "\n" not in str(error.value)
 
 
-def test_the_kernels_read_only_float32_files_through_the_page_cache(planted, store, tmp_path):
-    """Direct reads, a GPU and deltas stored in bf16 go through the store's reader in blocks; float32 files read
-    through the page cache go to the kernels, and both ways give the same sums."""
+def test_the_kernels_read_safetensors_files_through_the_page_cache_only(store):
+    """Direct reads and a GPU go through the store's reader in blocks; safetensors files read through the page
+    cache go to the kernels."""
     names = store.trajectory_names
     assert all(store.reader().tensor_files(n) is not None for n in names)
     assert all(store.reader(direct=True).tensor_files(n) is None for n in names)
     on_gpu = plan_pass(store.reader(), names, grams=names, budget=PassBudget(device_bytes=2**30), device=torch.device("cuda"))
     assert not any(t.in_kernel for t in on_gpu.tensors)
-    base, run, _ = planted
-    assert cli("ingest", run, "--base", base, "--out", tmp_path / "bf16", "--copy", "--delta-dtype", "bf16") == 0
-    halves = TrajectoryStore.open(tmp_path / "bf16").reader()
-    assert not any(t.in_kernel for t in plan_pass(halves, names, grams=names, sums=names).tensors)
+
+
+@pytest.mark.parametrize("kind", ["float32 referenced", "bf16 copied", "bf16 referenced"])
+def test_the_kernels_and_the_blocks_give_the_same_products(planted, store, tmp_path, kind):
+    """bf16 values (deltas stored in bf16, or bf16 checkpoints and base referenced in place) are widened to float32
+    as the kernels read them; either way the Grams and sums equal the blocks' and a float64 computation."""
+    if kind == "bf16 copied":
+        base, run, _ = planted
+        assert cli("ingest", run, "--base", base, "--out", tmp_path / "halves", "--copy", "--delta-dtype", "bf16") == 0
+        store = TrajectoryStore.open(tmp_path / "halves")
+    elif kind == "bf16 referenced":
+        base = make_base(tmp_path / "bf16-base", dtype=torch.bfloat16)
+        write_planted_run(base, tmp_path / "bf16-run", STEPS, noise=0.02)
+        assert cli("ingest", tmp_path / "bf16-run", "--base", base, "--out", tmp_path / "bf16-store") == 0
+        store = TrajectoryStore.open(tmp_path / "bf16-store")
+    reader, names = store.reader(), store.trajectory_names
+    files = reader.tensor_files(names[0])
+    assert files.bf16.all() == kind.startswith("bf16") and files.subtract.all() == kind.endswith("referenced")
     w = np.linspace(-1, 1, len(STEPS))[None]
-    reader, results = store.reader(), []
+    results = []
     for in_kernel in (False, True):
         recorder = Recorder(w)
-        run_pass(reader, plan_pass(reader, names, grams=names, sums=names, in_kernel=in_kernel), [recorder], GRAM)
+        plan = plan_pass(reader, names, grams=names, sums=names, in_kernel=in_kernel)
+        assert all(t.in_kernel == in_kernel for t in plan.tensors)
+        run_pass(reader, plan, [recorder], GRAM)
         results.append(recorder)
     for name in names:
+        m = reader.read(name).double()
         np.testing.assert_allclose(results[1].grams[name], results[0].grams[name], rtol=1e-6)
+        np.testing.assert_allclose(results[1].grams[name], (m @ m.T).numpy(), rtol=1e-5, atol=1e-10)
         torch.testing.assert_close(results[1].whole(name), results[0].whole(name), rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(results[1].whole(name).double(), torch.from_numpy(w) @ m, rtol=1e-5, atol=1e-7)

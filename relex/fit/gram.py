@@ -12,8 +12,8 @@ names the step, at no cost beyond the product itself (`check_finite_gram`).
 
 A pass's other product, a block's weighted sums W · M (`chunk_sums`), is here too, so that the pass gets all its
 arithmetic from one place (`GRAM`): on the CPU by the kernel's `weighted_sums`, elsewhere by torch. So are both
-products of a tensor whose float32 files the kernels read themselves, piece by piece (`file_gram`, `file_sums`;
-where they run: `reads_files`), which is how a pass reads such tensors on the CPU (relex.fit.passes).
+products of a tensor whose float32 or bf16 files the kernels read themselves, piece by piece (`file_gram`,
+`file_sums`; where they run: `reads_files`), which is how a pass reads such tensors on the CPU (relex.fit.passes).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def cpu_sums(w: np.ndarray, matrix: np.ndarray, out: np.ndarray, threads: int = 
 
 
 def reads_files(device: torch.device) -> bool:
-    """Whether a pass on `device` can have the kernels read float32 values from their files themselves (on the CPU,
+    """Whether a pass on `device` can have the kernels read the values from their files themselves (on the CPU,
     with numba: `file_gram`, `file_sums`)."""
     return device.type == "cpu" and _reading_kernel() is not None
 
@@ -199,7 +199,7 @@ def _reading_kernel():
         fd = os.open(os.devnull, os.O_RDONLY)
         try:
             files = TensorFiles("trial", 3, np.array([fd], dtype=np.int32), np.zeros(1, dtype=np.int64),
-                                np.zeros(1, dtype=np.uint8), -1, 0, ())
+                                np.zeros(1, dtype=np.uint8), np.zeros(1, dtype=np.uint8), -1, 0, 0, ())
             found = (kernel.file_gram(files, np.zeros((1, 1))), kernel.file_sums(np.ones((2, 1), dtype=np.float32), files, np.zeros((2, 3), dtype=np.float32)))
         finally:
             os.close(fd)

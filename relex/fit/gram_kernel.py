@@ -232,51 +232,60 @@ def weighted_sums(w: np.ndarray, matrix: np.ndarray, out: np.ndarray, start: int
 # The kernels below read the values themselves, a piece of every step's row at a time, straight from the files
 # (pread from the page cache), and form the Gram or W · M of that piece while it is in L2. The pieces go to no
 # memory beyond the core's cache: a pass over a buffer the size of a trajectory writes it to memory and reads it
-# back once per product, which is what bounded it (docs/performance.md, stop 35). A file's values are the
-# tensor's T rows in `files` (one descriptor and byte offset per step, float32); `subtract` marks the steps whose
-# row is θ_s (a checkpoint read in place), from which θ₀ (at `base_fd`, `base_offset`) is subtracted as it is read.
-# A kernel returns 0, or 1 + the step whose read came up short (steps + 1: θ₀'s), as `status`, so the caller names
-# the file. `pread` is libc's, declared by name (resolved in the process, so the compiled kernels are cached); its
-# buffer argument is passed as an address (uintp), as a pointer is passed on every 64-bit ABI numba targets.
+# back once per product, which is what bounded it (docs/performance.md, stop 35). A tensor's T rows are at
+# `fds` and `offsets` (one descriptor and byte offset per step), float32, or bf16 where `bf16` says so (widened to
+# float32 as read: a bf16 value is the top half of a float32's bits). `subtract` marks the steps whose row is θ_s
+# (a checkpoint read in place), from which θ₀ (at `base_fd`, `base_offset`, bf16 if `base_bf16`) is subtracted as
+# it is read. A kernel returns 0, or 1 + the step whose read came up short (steps + 1: θ₀'s), so that the caller
+# names the file. `pread` is libc's, declared by name (resolved in the process, so the compiled kernels are
+# cached); its buffer argument is passed as an address (uintp), as a pointer is passed on every 64-bit ABI numba
+# targets.
 _pread = numba.types.ExternalFunction("pread", numba.types.intp(numba.types.int32, numba.types.uintp, numba.types.uintp, numba.types.int64))
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _read_piece(fds, offsets, subtract, base_fd, base_offset, start, width, rows, base_row):  # pragma: no cover - compiled
-    """Columns start..start+width of every step's row into rows[:, :width] (θ₀ subtracted where marked): 0, or the
-    status above."""
+def _read_row(fd, offset, bf16, start, width, row, half):  # pragma: no cover - compiled
+    """Values start..start+width of one file's row into row[:width] as float32: True, or False for a short read."""
+    size = 2 if bf16 else 4
+    target = half.ctypes.data if bf16 else row.ctypes.data
+    nbytes, done = width * size, 0
+    while done < nbytes:
+        got = _pread(fd, target + done, nbytes - done, offset + start * size + done)
+        if got <= 0:
+            return False
+        done += got
+    if bf16:
+        bits = row.view(np.uint32)
+        for k in range(width):
+            bits[k] = np.uint32(half[k]) << np.uint32(16)
+    return True
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _read_piece(fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16, start, width, rows, base_row, half):  # pragma: no cover - compiled
+    """Columns start..start+width of every step's row into rows[:, :width] (θ₀ subtracted where marked): 0, or
+    the status above. `half`: room for one row of bf16."""
     steps = fds.shape[0]
-    nbytes = width * 4
-    if base_fd >= 0:
-        done = 0
-        while done < nbytes:
-            got = _pread(base_fd, base_row.ctypes.data + done, nbytes - done, base_offset + start * 4 + done)
-            if got <= 0:
-                return steps + 1
-            done += got
+    if base_fd >= 0 and not _read_row(base_fd, base_offset, base_bf16, start, width, base_row, half):
+        return steps + 1
     for s in range(steps):
-        done = 0
-        while done < nbytes:
-            got = _pread(fds[s], rows[s].ctypes.data + done, nbytes - done, offsets[s] + start * 4 + done)
-            if got <= 0:
-                return s + 1
-            done += got
+        row = rows[s]
+        if not _read_row(fds[s], offsets[s], bf16[s], start, width, row, half):
+            return s + 1
         if subtract[s]:
-            row = rows[s]
             for k in range(width):
                 row[k] -= base_row[k]
     return 0
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _file_lower(fds, offsets, subtract, base_fd, base_offset, n, piece, gram):  # pragma: no cover - compiled
+def _file_lower(fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16, n, piece, gram):  # pragma: no cover - compiled
     """gram[i, j] += ⟨m_i, m_j⟩ (j ≤ i) over all n columns, read `piece` columns at a time: `_lower` on each."""
     steps = fds.shape[0]
-    rows = np.empty((steps, piece), np.float32)
-    base_row = np.empty(piece, np.float32)
+    rows, base_row, half = np.empty((steps, piece), np.float32), np.empty(piece, np.float32), np.empty(piece, np.uint16)
     for start in range(0, n, piece):
         width = min(piece, n - start)
-        status = _read_piece(fds, offsets, subtract, base_fd, base_offset, start, width, rows, base_row)
+        status = _read_piece(fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16, start, width, rows, base_row, half)
         if status:
             return status
         _lower(rows, gram, 0, width, piece)
@@ -284,14 +293,13 @@ def _file_lower(fds, offsets, subtract, base_fd, base_offset, n, piece, gram):  
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _file_lower3(fds, offsets, subtract, base_fd, base_offset, n, piece, gram):  # pragma: no cover - compiled
+def _file_lower3(fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16, n, piece, gram):  # pragma: no cover - compiled
     """As `_file_lower`, in 3 × 3 tiles (`_lower3`)."""
     steps = fds.shape[0]
-    rows = np.empty((steps, piece), np.float32)
-    base_row = np.empty(piece, np.float32)
+    rows, base_row, half = np.empty((steps, piece), np.float32), np.empty(piece, np.float32), np.empty(piece, np.uint16)
     for start in range(0, n, piece):
         width = min(piece, n - start)
-        status = _read_piece(fds, offsets, subtract, base_fd, base_offset, start, width, rows, base_row)
+        status = _read_piece(fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16, start, width, rows, base_row, half)
         if status:
             return status
         _lower3(rows, gram, 0, width, piece)
@@ -299,15 +307,14 @@ def _file_lower3(fds, offsets, subtract, base_fd, base_offset, n, piece, gram): 
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _file_sums(w, fds, offsets, subtract, base_fd, base_offset, start, stop, piece, out):  # pragma: no cover - compiled
+def _file_sums(w, fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16, start, stop, piece, out):  # pragma: no cover - compiled
     """out[:, c - start] = Σ_s w[:, s] m[s, c] for columns start..stop, read `piece` columns at a time: `_sums` on
     each (out: R × (stop − start) float32)."""
     steps = fds.shape[0]
-    rows = np.empty((steps, piece), np.float32)
-    base_row = np.empty(piece, np.float32)
+    rows, base_row, half = np.empty((steps, piece), np.float32), np.empty(piece, np.float32), np.empty(piece, np.uint16)
     for k0 in range(start, stop, piece):
         width = min(piece, stop - k0)
-        status = _read_piece(fds, offsets, subtract, base_fd, base_offset, k0, width, rows, base_row)
+        status = _read_piece(fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16, k0, width, rows, base_row, half)
         if status:
             return status
         _sums(w, rows, out[:, k0 - start : k0 - start + width], 0, width, SUM_PIECE)
@@ -322,18 +329,22 @@ def read_piece_columns(steps: int, tile: int | None = None) -> int:
     return max(256, min(piece, columns // 256 * 256))
 
 
+def _located(files) -> tuple:
+    """A relex.store.TensorFiles as the kernels take it."""
+    return (files.descriptors, files.offsets, files.bf16, files.subtract, files.base_descriptor, files.base_offset,
+            files.base_bf16)
+
+
 def file_gram(files, gram: np.ndarray, tile: int | None = None) -> int:
     """Add the lower triangle of M Mᵀ for the tensor at `files` (relex.store.TensorFiles) to `gram` (float64 T × T),
     reading its values as it goes; 0, or the status of a short read (above). Releases the GIL."""
     tile = tile or TILE
     lower = _file_lower if tile == 4 else _file_lower3
-    return lower(files.descriptors, files.offsets, files.subtract, files.base_descriptor, files.base_offset,
-                 files.numel, read_piece_columns(len(files.descriptors), tile), gram)
+    return lower(*_located(files), files.numel, read_piece_columns(len(files.descriptors), tile), gram)
 
 
 def file_sums(w: np.ndarray, files, out: np.ndarray, start: int = 0, stop: int | None = None) -> int:
     """out = (W · M)[:, start:stop] for the tensor at `files`, reading its values as it goes (W float32 R × T, out
     float32 R × (stop − start), C-contiguous rows); 0, or the status of a short read. Releases the GIL."""
     stop = files.numel if stop is None else stop
-    return _file_sums(w, files.descriptors, files.offsets, files.subtract, files.base_descriptor, files.base_offset,
-                      start, stop, read_piece_columns(len(files.descriptors)), out)
+    return _file_sums(w, *_located(files), start, stop, read_piece_columns(len(files.descriptors)), out)

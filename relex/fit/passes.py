@@ -22,8 +22,8 @@ On the CPU a block's Gram is formed by whichever thread would otherwise wait (a 
 blocks are copied from the pinned buffers on a side stream into one of two device buffers, so the copy of one
 block runs while the kernels of the one before do (`_Staging`). Either way it is the same code, the same blocks.
 
-On the CPU, where a tensor's values are float32 in safetensors files read through the page cache (a copied store,
-or float32 checkpoints referenced in place), there are no blocks: the kernels read the values themselves, a
+On the CPU, where a tensor's values are float32 or bf16 in safetensors files read through the page cache (a copied
+store, or checkpoints referenced in place), there are no blocks: the kernels read the values themselves, a
 piece of every step's row at a time, each piece into the core's cache and its products formed there, on threads
 of their own (`_KernelReads`, relex.fit.gram_kernel). A block the size of a trajectory is memory the reader writes
 and each product reads back, which is what held a pass to 5-7 times a plain read of the store; a piece never
@@ -157,15 +157,15 @@ def plan_pass(
 ) -> PassPlan:
     """The reads of `names` (in this order) for the Gram of those in `grams` and weighted sums of those in `sums`.
 
-    On the CPU, a tensor that every step stores in float32 in a safetensors file read through the page cache
-    (`TrajectoryReader.tensor_files`) is read by the kernels themselves (`in_kernel`, default: wherever they run,
+    On the CPU, a tensor that every step (and θ₀, where subtracted) stores in float32 or bf16 in a safetensors file
+    read through the page cache (`TrajectoryReader.tensor_files`) is read by the kernels themselves (`in_kernel`, default: wherever they run,
     relex.fit.gram.reads_files): a piece of every step's row at a time, into the core's cache, once for its Gram and
     once for its sums, so none of the blocks, buffers or holding below apply to it; its sums are handed over in
     the row blocks `chunk_elements` gives. Measured on the SmolLM2 store (T = 20, 10.8 GB, page cache, alternating
     with the blocks below): `relex extrapolate` to two targets took 2.41-2.75 s against 3.39-3.71 s on copied
-    deltas, 2.56-3.24 s against 3.48-4.78 s on the checkpoints referenced in place (4 runs each; docs/performance.md,
-    stop 35). The others (another dtype, verl's shards, `--io direct`, a GPU) are read in blocks by the store's
-    reader, as follows.
+    float32 deltas, 2.56-3.24 s against 3.48-4.78 s on float32 checkpoints referenced in place, 3.01-3.56 s
+    against 5.10-7.64 s on bf16 ones (4 runs each; docs/performance.md, stop 35). The others (fp16, verl's shards,
+    `--io direct`, a GPU) are read in blocks by the store's reader, as follows.
 
     Blocks are at most `chunk_elements` values, and a trajectory read whole for both uses at most `hold_elements`,
     both capped so that MIN_BUFFERS buffers fit in `buffer_bytes` and, on a GPU, so that a block's copies there
