@@ -1,5 +1,7 @@
 """The CPU Gram kernel (relex.fit.gram_kernel) against float64 products, and the torch fallback without numba."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -7,6 +9,7 @@ import torch
 from relex.fit import gram as gram_module
 from relex.fit import gram_kernel
 from relex.fit.gram import chunk_gram, cpu_gram
+from relex.store import TensorFiles
 
 CPU = torch.device("cpu")
 
@@ -241,3 +244,25 @@ def test_chunk_sums_fills_the_given_memory_and_without_numba_torch_gives_the_sam
     monkeypatch.setattr(gram_module, "_kernel", lambda: None)
     assert np.abs(gram_module.chunk_sums(w, m, torch.empty(2, 40_000)).numpy() - want).max() < 1e-4
     assert np.abs(gram_module.chunk_sums(w, m).numpy() - want).max() < 1e-4
+
+
+@pytest.mark.parametrize("tile", [3, 4])
+@pytest.mark.parametrize("steps", [1, 5, 20])
+def test_the_reading_kernel_equals_float64_with_either_tile(tmp_path, tile, steps):
+    """`file_gram` reads a float32 matrix from a file piece by piece (more than one piece, with a remainder) and forms
+    its Gram in either tile, whichever this CPU uses."""
+    columns = 2 * gram_kernel.read_piece_columns(steps, tile) + 37
+    m = np.random.default_rng(steps).standard_normal((steps, columns), dtype=np.float32)
+    path = tmp_path / "rows.bin"
+    path.write_bytes(b"\0" * 8 + m.tobytes())  # each step's row after an 8-byte header, one after another
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        files = TensorFiles("m", columns, np.full(steps, fd, dtype=np.int32), 8 + 4 * columns * np.arange(steps, dtype=np.int64),
+                            np.zeros(steps, dtype=np.uint8), np.zeros(steps, dtype=np.uint8), -1, 0, 0, ())
+        lower = np.zeros((steps, steps))
+        assert gram_kernel.file_gram(files, lower, tile) == 0
+    finally:
+        os.close(fd)
+    got = gram_module.symmetric(lower)
+    assert relative_error(got, reference(m)) < 1e-6
+    assert np.array_equal(np.triu(lower, 1), np.zeros_like(lower))  # the upper triangle is not written

@@ -279,8 +279,9 @@ def _read_piece(fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16, s
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _file_lower(fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16, n, piece, gram):  # pragma: no cover - compiled
-    """gram[i, j] += ⟨m_i, m_j⟩ (j ≤ i) over all n columns, read `piece` columns at a time: `_lower` on each."""
+def _file_lower(fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16, n, piece, tile, gram):  # pragma: no cover - compiled
+    """gram[i, j] += ⟨m_i, m_j⟩ (j ≤ i) over all n columns, read `piece` columns at a time: on each, `_lower` (tile
+    4) or `_lower3` (tile 3)."""
     steps = fds.shape[0]
     rows, base_row, half = np.empty((steps, piece), np.float32), np.empty(piece, np.float32), np.empty(piece, np.uint16)
     for start in range(0, n, piece):
@@ -288,21 +289,10 @@ def _file_lower(fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16, n
         status = _read_piece(fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16, start, width, rows, base_row, half)
         if status:
             return status
-        _lower(rows, gram, 0, width, piece)
-    return 0
-
-
-@numba.njit(nogil=True, cache=True, boundscheck=False)
-def _file_lower3(fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16, n, piece, gram):  # pragma: no cover - compiled
-    """As `_file_lower`, in 3 × 3 tiles (`_lower3`)."""
-    steps = fds.shape[0]
-    rows, base_row, half = np.empty((steps, piece), np.float32), np.empty(piece, np.float32), np.empty(piece, np.uint16)
-    for start in range(0, n, piece):
-        width = min(piece, n - start)
-        status = _read_piece(fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16, start, width, rows, base_row, half)
-        if status:
-            return status
-        _lower3(rows, gram, 0, width, piece)
+        if tile == 4:
+            _lower(rows, gram, 0, width, piece)
+        else:
+            _lower3(rows, gram, 0, width, piece)
     return 0
 
 
@@ -339,8 +329,7 @@ def file_gram(files, gram: np.ndarray, tile: int | None = None) -> int:
     """Add the lower triangle of M Mᵀ for the tensor at `files` (relex.store.TensorFiles) to `gram` (float64 T × T),
     reading its values as it goes; 0, or the status of a short read (above). Releases the GIL."""
     tile = tile or TILE
-    lower = _file_lower if tile == 4 else _file_lower3
-    return lower(*_located(files), files.numel, read_piece_columns(len(files.descriptors), tile), gram)
+    return _file_lower(*_located(files), files.numel, read_piece_columns(len(files.descriptors), tile), tile, gram)
 
 
 def file_sums(w: np.ndarray, files, out: np.ndarray, start: int = 0, stop: int | None = None) -> int:
