@@ -533,7 +533,7 @@ class _KernelReads:
     error is raised where the caller waits for it."""
 
     def __init__(self, reader: TrajectoryReader, tensors: Sequence[TensorReads], arithmetic, threads: int):
-        self.arithmetic, self.count = arithmetic, threads
+        self.arithmetic = arithmetic
         self.files = {t.name: reader.tensor_files(t.name) for t in tensors}
         self.jobs: queue.PriorityQueue = queue.PriorityQueue()
         self.order = itertools.count()  # ties of priority go first come, first served
