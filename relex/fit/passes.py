@@ -158,9 +158,9 @@ def plan_pass(
     """The reads of `names` (in this order) for the Gram of those in `grams` and weighted sums of those in `sums`.
 
     On the CPU, a tensor that every step (and θ₀, where subtracted) stores in float32 or bf16 in a safetensors file
-    read through the page cache (`TrajectoryReader.tensor_files`) is read by the kernels themselves (`in_kernel`, default: wherever they run,
-    relex.fit.gram.reads_files): a piece of every step's row at a time, into the core's cache, once for its Gram and
-    once for its sums, so none of the blocks, buffers or holding below apply to it; its sums are handed over in
+    read through the page cache (`TrajectoryReader.tensor_files`) is read by the kernels themselves (`in_kernel`,
+    default: wherever they run, relex.fit.gram.reads_files): a piece of every step's row at a time, into the core's
+    cache, once for its Gram and once for its sums, so none of the blocks, buffers or holding below apply to it; its sums are handed over in
     the row blocks `chunk_elements` gives. Measured on the SmolLM2 store (T = 20, 10.8 GB, page cache, alternating
     with the blocks below): `relex extrapolate` to two targets took 2.41-2.75 s against 3.39-3.71 s on copied
     float32 deltas, 2.56-3.24 s against 3.48-4.78 s on float32 checkpoints referenced in place, 3.01-3.56 s
