@@ -510,7 +510,8 @@ class TensorFiles(NamedTuple):
     """Where one tensor's values lie at every step, for reads a caller makes itself (relex.fit.gram_kernel's reading
     kernels): each step's file and the byte offset of the tensor's first value there, float32 or bf16
     (`KERNEL_DTYPES`), read through the page cache; whether the step's values are θ_s (a checkpoint read in place:
-    θ₀ is subtracted) and where θ₀'s values lie (descriptor -1 when no step needs them)."""
+    θ₀ is subtracted) and where θ₀'s values lie, for that and for sums that add θ₀ (descriptor -1 where the
+    kernels cannot read θ₀: a dtype other than float32 and bf16, or no safetensors file)."""
 
     name: str
     numel: int
@@ -675,13 +676,13 @@ class TrajectoryReader:
         if files is None or any(file.direct or dtype not in KERNEL_DTYPES for file, dtype in files):
             return None
         base_descriptor, base_offset, base_bf16, used = -1, 0, 0, [file for file, _ in files]
-        if self._subtract:
-            dtype = self.base.info(name).dtype
-            if dtype not in KERNEL_DTYPES:
-                return None
-            base = self.base.file_of(name)
+        base = self.base.file_of(name)
+        dtype = self.base.info(name).dtype
+        if not base.direct and dtype in KERNEL_DTYPES:
             base_descriptor, base_offset, base_bf16 = base.descriptor, base.span(name)[0], KERNEL_DTYPES[dtype]
             used.append(base)
+        elif self._subtract:
+            return None
         return TensorFiles(
             name, self.infos[name].numel, np.array([file.descriptor for file, _ in files], dtype=np.int32),
             np.array([file.span(name)[0] for file, _ in files], dtype=np.int64),

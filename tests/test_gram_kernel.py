@@ -266,3 +266,43 @@ def test_the_reading_kernel_equals_float64_with_either_tile(tmp_path, tile, step
     got = gram_module.symmetric(lower)
     assert relative_error(got, reference(m)) < 1e-6
     assert np.array_equal(np.triu(lower, 1), np.zeros_like(lower))  # the upper triangle is not written
+
+
+@pytest.mark.parametrize("base_dtype", ["float32", "bf16"])
+@pytest.mark.parametrize("subtract", [False, True])
+def test_the_reading_sums_add_theta0_and_form_their_checks(tmp_path, base_dtype, subtract):
+    """`file_sums` with θ₀'s weights: out = θ₀ · b + W · M over a few column ranges of more than one piece (rows
+    whose weight is 0 get W · M alone), and each row's checks, Σ (W · M)² and Σ out, equal float64's; where the steps
+    hold θ_s, the same θ₀ read once serves both the subtraction and the sum."""
+    steps, columns = 5, 2 * gram_kernel.read_piece_columns(5) + 37
+    rng = np.random.default_rng(7)
+    theta = rng.standard_normal(columns, dtype=np.float32)
+    bf16 = base_dtype == "bf16"
+    if bf16:  # values a bf16 holds exactly: the top half of a float32's bits
+        theta = (theta.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    m = rng.standard_normal((steps, columns), dtype=np.float32)
+    stored = m + theta if subtract else m
+    base_bytes = (theta.view(np.uint32) >> np.uint32(16)).astype(np.uint16).tobytes() if bf16 else theta.tobytes()
+    path = tmp_path / "rows.bin"
+    path.write_bytes(stored.tobytes() + base_bytes)
+    w = rng.standard_normal((3, steps), dtype=np.float32)
+    b = np.array([1, 0, 1], dtype=np.float32)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        files = TensorFiles("m", columns, np.full(steps, fd, dtype=np.int32), 4 * columns * np.arange(steps, dtype=np.int64),
+                            np.zeros(steps, dtype=np.uint8), np.full(steps, subtract, dtype=np.uint8), fd, stored.nbytes, int(bf16), ())
+        out, checks = [], np.zeros((3, 2))
+        for start, stop in [(0, 1000), (1000, columns)]:  # two blocks: less than a piece, and more than one
+            out.append(np.zeros((3, stop - start), dtype=np.float32))
+            assert gram_kernel.file_sums(w, files, out[-1], start, stop, b, checks) == 0
+        out = np.concatenate(out, axis=1)
+        unbased = files._replace(base_descriptor=-1)
+        with pytest.raises(ValueError, match="θ₀ is not where the kernels can read it"):
+            gram_kernel.file_sums(w, unbased, np.zeros((3, columns), dtype=np.float32), base=b, checks=np.zeros((3, 2)))
+    finally:
+        os.close(fd)
+    update = w.astype(np.float64) @ (stored.astype(np.float64) - (theta if subtract else 0))
+    exact = update + b[:, None] * theta.astype(np.float64)
+    assert np.abs(out - exact).max() < 1e-4
+    np.testing.assert_allclose(checks[:, 0], (update**2).sum(axis=1), rtol=1e-5)
+    np.testing.assert_allclose(checks[:, 1], exact.sum(axis=1), rtol=1e-4, atol=1e-2)

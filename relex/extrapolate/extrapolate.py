@@ -4,8 +4,9 @@ For each tensor, in order: its weights (targets × T) come from the method (and 
 from the Gram when no FIT is given), then out = θ₀ + W · M is formed block by block and streamed into one Hugging
 Face folder per target (`OUT/step-<S>/`). The pass is relex.fit.passes's: it plans every read up front (a
 trajectory that fits in `cache_elements` is read once, whole, for both the Gram and the weighted sum; a larger one
-twice, one block of T × rows values at a time), and hands each tensor's Gram and W · M to `_Outputs`, which turns
-them into output blocks in the layout's order.
+twice, one block of T × rows values at a time), and hands each tensor's Gram and θ₀ + W · M (`_Outputs` adds θ₀:
+the pass reads it beside the steps' values) to `_Outputs`, which turns them into output blocks in the layout's
+order.
 """
 
 from __future__ import annotations
@@ -191,20 +192,20 @@ class _Pass:
             w = scaled_weights(self.plan, targets, self.method.weights(self.plan, targets, fit), self.scale)
         return w if np.any(w) else None  # an all-zero trajectory keeps the base values
 
-    def combine(self, base: torch.Tensor, delta: torch.Tensor, report: TargetReport) -> tuple[torch.Tensor, bool]:
-        """θ₀ + Δ̂ in the output dtype (`delta` is overwritten), adding to the report's norms; and whether every
-        output value is known to be finite from those norms (else `check_finite` looks at the values).
+    def combine(self, exact: torch.Tensor, checks: np.ndarray, report: TargetReport, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+        """θ₀ + Δ̂ (`exact`, float32, as the pass formed it) in the output `dtype`, adding to the report's norms; and
+        whether every output value is known to be finite (else `check_finite` looks at the values). `checks` are
+        the pass's for these values (relex.fit.passes.Consumer.sums): Σ Δ̂² and Σ (θ₀ + Δ̂).
 
-        In another dtype than float32 a NaN or Inf in an output makes its rounding error, output − θ₀ − Δ̂, a NaN or
-        Inf too (θ₀ + Δ̂ itself not finite, or rounded up to Inf), so a finite sum of the errors' squares shows the
-        output finite. Measured on the SmolLM2 store with `--dtype bf16`: the check's own sum of the bf16
-        values took 1.42 s of the pass's main thread. The errors go into memory reused from block to block.
+        Float32 output is `exact` itself, finite when its sum is. In another dtype a NaN or Inf in an output makes its
+        rounding error, output − θ₀ − Δ̂, a NaN or Inf too (θ₀ + Δ̂ itself not finite, or rounded up to Inf), so a
+        finite sum of the errors' squares shows the output finite. The errors go into memory reused from block to
+        block.
         """
-        report._pred_sq += float(torch.dot(delta, delta))
-        exact = delta.add_(base.reshape(-1))
-        out = exact.to(self.out_dtype or base.dtype)
-        if out.dtype == torch.float32:  # float32 output is the computation itself: nothing is rounded away
-            return out.reshape(base.shape), False
+        report._pred_sq += float(checks[0])
+        if dtype == torch.float32:  # float32 output is the computation itself: nothing is rounded away
+            return exact, math.isfinite(float(checks[1]))
+        out = exact.to(dtype)
         if out.dtype in (torch.bfloat16, torch.float16):
             self._lost = reused(self._lost, exact.numel(), torch.float32)
             lost = self._lost[: exact.numel()].copy_(out).sub_(exact)
@@ -212,7 +213,7 @@ class _Pass:
             lost = out.float().sub_(exact)
         lost_sq = float(torch.dot(lost, lost))
         report._lost_sq += lost_sq
-        return out.reshape(base.shape), math.isfinite(lost_sq)
+        return out, math.isfinite(lost_sq)
 
 
 class _Outputs(Consumer):
@@ -220,10 +221,11 @@ class _Outputs(Consumer):
     with a trajectory (as the pass reaches them), the base's values for the others and for all-zero trajectories,
     and a tied alias's values from the tensor it shares (kept until its last alias is written)."""
 
+    adds_base = True  # the pass forms θ₀ + W · M (relex.fit.passes): the read θ₀'s values go into the sums there
+
     def __init__(self, state: _Pass, emit, wanted: set[str] | None, begin, products: ProductBuffers | None = None):
         self.state, self.emit, self.begin = state, emit, begin or (lambda name: None)
         self.products = products  # the outputs kept for an alias are held there until it is written
-        self.base_block = torch.empty(0, dtype=torch.uint8)  # θ₀'s values of a block: used at once, then read over
         self.todo = iter(state.layout)
         self.infos = dict(state.layout)
         names = set(self.infos) if wanted is None else set(wanted)
@@ -278,12 +280,12 @@ class _Outputs(Consumer):
             self._emit(name, [base] * len(self.state.reports))
         return w
 
-    def sums(self, name: str, rows, sums: torch.Tensor) -> None:
-        nbytes = sums.shape[1] * self.state.base.info(name).dtype.itemsize
-        self.base_block = reused(self.base_block, nbytes, torch.uint8)
-        base = self.state.base.read(name, rows, self.base_block)  # combine is done with it before the next block
-        combined = [self.state.combine(base, delta, report) for delta, report in zip(sums, self.state.reports)]
-        self._emit(name, [values for values, _ in combined], [finite for _, finite in combined])
+    def sums(self, name: str, rows, sums: torch.Tensor, checks: np.ndarray | None = None) -> None:
+        info = self.infos[name]  # in the output dtype
+        shape = info.shape if rows is None else (rows[1] - rows[0], *info.shape[1:])
+        combined = [self.state.combine(exact, row_checks, report, info.dtype)
+                    for exact, row_checks, report in zip(sums, checks, self.state.reports)]
+        self._emit(name, [values.reshape(shape) for values, _ in combined], [finite for _, finite in combined])
 
 
 def kept_tensors(names: list[str], patterns) -> set[str]:

@@ -152,10 +152,12 @@ def file_gram(files) -> np.ndarray:
     return symmetric(gram)
 
 
-def file_sums(w: np.ndarray, files, out: np.ndarray, start: int, stop: int) -> None:
+def file_sums(w: np.ndarray, files, out: np.ndarray, start: int, stop: int, base: np.ndarray | None = None,
+              checks: np.ndarray | None = None) -> None:
     """(W · M)[:, start:stop] into `out` (float32, weights × (stop − start)) for the tensor at `files`, by the kernel
-    that reads its values as it goes, one thread."""
-    status = _reading_kernel().file_sums(w, files, out, start, stop)
+    that reads its values as it goes, one thread; with `base` and `checks`, θ₀ · base added and the checks formed
+    (gram_kernel.file_sums)."""
+    status = _reading_kernel().file_sums(w, files, out, start, stop, base, checks)
     if status:
         raise files.read_failed(status)
 

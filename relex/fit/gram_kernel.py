@@ -296,10 +296,28 @@ def _file_lower(fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16, n
     return 0
 
 
+@numba.njit(fastmath=_FLAGS, nogil=True, cache=True, boundscheck=False)
+def _add_base(b, base_row, out, start, width, checks):  # pragma: no cover - compiled
+    """out[r, start:start+width] += b[r] · θ₀'s piece (`base_row`) for every row r of `out` (R × n, C-contiguous),
+    adding that part's Σ out[r]² before and Σ out[r] after to checks[r] (float64, R × 2)."""
+    for r in range(out.shape[0]):
+        row, weight = out[r], b[r]
+        squares, total = 0.0, 0.0
+        for k in range(width):
+            v = row[start + k]
+            squares += np.float64(v) * np.float64(v)
+            v += weight * base_row[k]
+            total += np.float64(v)
+            row[start + k] = v
+        checks[r, 0] += squares
+        checks[r, 1] += total
+
+
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _file_sums(w, fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16, start, stop, piece, out):  # pragma: no cover - compiled
+def _file_sums(w, b, fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16, start, stop, piece, out, checks):  # pragma: no cover - compiled
     """out[:, c - start] = Σ_s w[:, s] m[s, c] for columns start..stop, read `piece` columns at a time: `_sums` on
-    each (out: R × (stop − start) float32)."""
+    each (out: R × (stop − start) float32); then, where `b` has a weight per row of W, θ₀ · b added and `checks`
+    (`_add_base`) with θ₀'s piece read beside the steps' (an empty `b`: none)."""
     steps = fds.shape[0]
     rows, base_row, half = np.empty((steps, piece), np.float32), np.empty(piece, np.float32), np.empty(piece, np.uint16)
     for k0 in range(start, stop, piece):
@@ -308,6 +326,8 @@ def _file_sums(w, fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16,
         if status:
             return status
         _sums(w, rows, out[:, k0 - start : k0 - start + width], 0, width, SUM_PIECE)
+        if b.shape[0]:
+            _add_base(b, base_row, out, k0 - start, width, checks)
     return 0
 
 
@@ -319,10 +339,11 @@ def read_piece_columns(steps: int, tile: int | None = None) -> int:
     return max(256, min(piece, columns // 256 * 256))
 
 
-def _located(files) -> tuple:
-    """A relex.store.TensorFiles as the kernels take it."""
-    return (files.descriptors, files.offsets, files.bf16, files.subtract, files.base_descriptor, files.base_offset,
-            files.base_bf16)
+def _located(files, base: bool = False) -> tuple:
+    """A relex.store.TensorFiles as the kernels take it: θ₀ is read where a step subtracts it, or with `base`."""
+    reads_base = base or bool(files.subtract.any())
+    return (files.descriptors, files.offsets, files.bf16, files.subtract, files.base_descriptor if reads_base else -1,
+            files.base_offset, files.base_bf16)
 
 
 def file_gram(files, gram: np.ndarray, tile: int | None = None) -> int:
@@ -332,8 +353,17 @@ def file_gram(files, gram: np.ndarray, tile: int | None = None) -> int:
     return _file_lower(*_located(files), files.numel, read_piece_columns(len(files.descriptors), tile), tile, gram)
 
 
-def file_sums(w: np.ndarray, files, out: np.ndarray, start: int = 0, stop: int | None = None) -> int:
+def file_sums(w: np.ndarray, files, out: np.ndarray, start: int = 0, stop: int | None = None,
+              base: np.ndarray | None = None, checks: np.ndarray | None = None) -> int:
     """out = (W · M)[:, start:stop] for the tensor at `files`, reading its values as it goes (W float32 R × T, out
-    float32 R × (stop − start), C-contiguous rows); 0, or the status of a short read. Releases the GIL."""
+    float32 R × (stop − start), C-contiguous rows); 0, or the status of a short read. Releases the GIL.
+
+    With `base` (float32, one weight per row of W) and `checks` (float64 R × 2): out = θ₀ · base + W · M, θ₀'s
+    values read beside the steps' (`files.base_descriptor`, which must be open), and checks[r] += (Σ (W · M)[r]²,
+    Σ out[r]): the second is finite exactly when every value of out[r] is."""
     stop = files.numel if stop is None else stop
-    return _file_sums(w, *_located(files), start, stop, read_piece_columns(len(files.descriptors)), out)
+    if base is None:
+        base, checks = np.zeros(0, dtype=np.float32), np.zeros((0, 2))
+    elif files.base_descriptor < 0:
+        raise ValueError(f"tensor {files.name}: θ₀ is not where the kernels can read it (TensorFiles.base_descriptor)")
+    return _file_sums(w, base, *_located(files, base=len(base) > 0), start, stop, read_piece_columns(len(files.descriptors)), out, checks)

@@ -15,8 +15,10 @@ one more buffer, reused from tensor to tensor (where that pays: `plan_pass`). `r
 store's reader (pure I/O: it reads ahead into those buffers) and tells each consumer, tensor by tensor in plan
 order, the Gram (`Consumer.gram`) and then, for the weights it asks for (`Consumer.weights`, which may depend on
 that Gram), W · M block by block (`Consumer.sums`). Several consumers' weights are stacked into one product, so
-one read serves them all. Given `ProductBuffers`, the products go into memory reused from block to block, for
-consumers that say when they are done with them.
+one read serves them all. A consumer that writes checkpoints (`Consumer.adds_base`) is given θ₀ + W · M instead,
+with each row's Σ (W · M)² and Σ (θ₀ + W · M): θ₀ is added where the product is formed, so that its values are not
+read again. Given `ProductBuffers`, the products go into memory reused from block to block, for consumers that say
+when they are done with them.
 
 On the CPU a block's Gram is formed by whichever thread would otherwise wait (a reader or the caller); on a GPU
 blocks are copied from the pinned buffers on a side stream into one of two device buffers, so the copy of one
@@ -27,12 +29,15 @@ store, or checkpoints referenced in place), there are no blocks: the kernels rea
 piece of every step's row at a time, each piece into the core's cache and its products formed there, on threads
 of their own (`_KernelReads`, relex.fit.gram_kernel). A block the size of a trajectory is memory the reader writes
 and each product reads back, which is what held a pass to 5-7 times a plain read of the store; a piece never
-leaves the cache. The consumers are told the same things in the same order, the sums in row blocks.
+leaves the cache. The consumers are told the same things in the same order, the sums in row blocks. θ₀'s piece
+is read beside the steps' and added there too, where a consumer adds θ₀.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -49,6 +54,7 @@ from tqdm.auto import tqdm
 from relex.errors import RelexError
 from relex.fit.gram import GRAM, non_finite_message, reads_files, torch_sums
 from relex.store import STREAM_BUFFERS, STREAM_BYTES, Block, TrajectoryReader
+from relex.util import reused
 
 LOG = logging.getLogger(__name__)
 
@@ -240,6 +246,10 @@ def _leading_blocks(reader: TrajectoryReader, name: str, rows, elements: int) ->
 class Consumer:
     """What a pass computes for each tensor, told in plan order; a consumer overrides the methods it needs."""
 
+    # whether this consumer's sums are θ₀ + W · M (a checkpoint's values, extrapolate's), θ₀ added by the pass: by the
+    # kernels as they read, beside the steps' values, where they read the tensor (else by `TrajectoryPass._add_base`)
+    adds_base: bool = False
+
     def gram(self, name: str, gram: np.ndarray) -> None:
         """The tensor's Gram (float64, T × T, checked finite), for a tensor planned with one."""
 
@@ -247,8 +257,10 @@ class Consumer:
         """Weights W (rows × T) for the sums of a tensor planned with them; None: none wanted from this consumer."""
         return None
 
-    def sums(self, name: str, rows: tuple[int, int] | None, sums: torch.Tensor) -> None:
-        """W · M for one row block (float32 on the CPU, one row per row of this consumer's W)."""
+    def sums(self, name: str, rows: tuple[int, int] | None, sums: torch.Tensor, checks: np.ndarray | None = None) -> None:
+        """W · M for one row block (float32 on the host, one row per row of this consumer's W). For a consumer that
+        `adds_base`, θ₀ + W · M, with `checks` (float64, a row per row of W): Σ (W · M)² (the predicted update's
+        squared norm) and Σ (θ₀ + W · M), which is finite exactly when every value is."""
 
     def done(self, name: str) -> None:
         """The tensor is finished: every planned read of it was taken."""
@@ -348,6 +360,7 @@ class TrajectoryPass:
 
     def __init__(self, reader: TrajectoryReader, plan: PassPlan, gram=None, products: ProductBuffers | None = None):
         self.products = products
+        self._base_block = torch.empty(0, dtype=torch.uint8)  # θ₀'s values of a block (`_add_base`), reused
         grams = any(t.gram for t in plan.tensors)
         if gram is None and grams:
             raise ValueError("plan_pass planned Gram matrices; run_pass needs the Gram arithmetic (relex.fit.gram.GRAM)")
@@ -358,6 +371,7 @@ class TrajectoryPass:
         work = self._block_gram if any(t.gram and not t.in_kernel for t in plan.tensors) else None
         if gram is not None:  # load the CPU kernels while the first reads run
             threading.Thread(target=gram.prepare, args=(self.device,), name="relex-prepare", daemon=True).start()
+        map_large_blocks()
         self.buffers = plan.allocate()
         # one buffer for the blocks kept from a partly held trajectory, reused by the next such trajectory: a copy
         # per tensor would be fresh memory each time, and on Linux the kernel maps and zeroes every page of it
@@ -452,23 +466,29 @@ class TrajectoryPass:
         if not wanted:
             return
         w = np.ascontiguousarray(np.concatenate([w for _, w in wanted]), dtype=np.float32)
+        base = _base_weights(wanted)
+        in_kernel_base = base is not None and self._kernel.reads_base(name)
         blocks, start, formed = [], 0, []
         for rows in reads.rows:
             columns = self.reader.block_numel(name, rows)
-            blocks.append((rows, self._out(len(w), columns), start))
+            checks = None if base is None else np.zeros((len(w), 2))
+            blocks.append((rows, self._out(len(w), columns), start, checks))
             start += columns
         try:
-            formed = self._kernel.sums(name, w, [(out.numpy(), at) for _, out, at in blocks])
-            for (rows, sums, _), done in zip(blocks, formed):
+            formed = self._kernel.sums(name, w, [(out.numpy(), at, checks) for _, out, at, checks in blocks],
+                                       base if in_kernel_base else None)
+            for (rows, sums, _, checks), done in zip(blocks, formed):
                 done.result()
-                if gram is None and not math.isfinite(float(sums.sum())):
+                if base is not None and not in_kernel_base:
+                    self._add_base(name, rows, sums, base, checks)
+                if gram is None and not _finite_sums(sums, checks):
                     # a NaN or Inf in the values, or an overflow: their Gram's diagonal names the step (relex.fit.gram)
                     self.arithmetic.check(name, self._kernel.gram_now(name), self.reader.steps)
-                self._tell(reads, wanted, rows, sums)
+                self._tell(reads, wanted, rows, sums, checks)
         finally:
             self._kernel.settle(formed)
             if self.products is not None:
-                for _, sums, _ in blocks:
+                for _, sums, _, _ in blocks:
                     self.products.release(sums)
 
     def _wanted(self, reads: TensorReads, consumers: Sequence[Consumer], gram: np.ndarray | None) -> list:
@@ -477,11 +497,28 @@ class TrajectoryPass:
         return [(consumer, w) for consumer, w in wanted if w is not None]
 
     @staticmethod
-    def _tell(reads: TensorReads, wanted: list, rows, sums: torch.Tensor) -> None:
-        """Each consumer its rows of one product (its W's rows, stacked in `_wanted`'s order)."""
+    def _tell(reads: TensorReads, wanted: list, rows, sums: torch.Tensor, checks: np.ndarray | None) -> None:
+        """Each consumer its rows of one product (its W's rows, stacked in `_wanted`'s order), and their checks
+        to a consumer that adds θ₀."""
         bounds = np.cumsum([0] + [len(w) for _, w in wanted])
         for (consumer, _), a, b in zip(wanted, bounds[:-1], bounds[1:]):
-            consumer.sums(reads.name, rows, sums[a:b])
+            if consumer.adds_base:
+                consumer.sums(reads.name, rows, sums[a:b], checks[a:b])
+            else:
+                consumer.sums(reads.name, rows, sums[a:b])
+
+    def _add_base(self, name: str, rows, sums: torch.Tensor, base: np.ndarray, checks: np.ndarray) -> None:
+        """θ₀'s values (`rows` of tensor `name`) added to the rows of `sums` that `base` weighs, and every row's
+        checks (`Consumer.sums`): what the kernels do as they read, for a tensor read in blocks or a θ₀ they cannot
+        read. θ₀ goes into memory reused from block to block."""
+        nbytes = sums.shape[1] * self.reader.base.info(name).dtype.itemsize
+        self._base_block = reused(self._base_block, nbytes, torch.uint8)
+        theta = self.reader.base.read(name, rows, self._base_block).reshape(-1)
+        for r, row in enumerate(sums):
+            checks[r, 0] = float(torch.dot(row, row))
+            if base[r]:
+                row.add_(theta, alpha=float(base[r]))
+            checks[r, 1] = float(np.sum(row.numpy(), dtype=np.float64))  # cast in numpy's small buffers, not copied whole
 
     def _sums(self, reads: TensorReads, consumers: Sequence[Consumer], gram: np.ndarray | None, held: list) -> None:
         """W · M block by block for the weights the consumers ask for, all of them in one product per block."""
@@ -493,11 +530,15 @@ class TrajectoryPass:
                 pass
             return
         w = torch.as_tensor(np.concatenate([w for _, w in wanted]), dtype=torch.float32, device=self.device)
+        base = _base_weights(wanted)
         for rows, matrix, staged in blocks:
             sums = self._product(w, staged if staged is not None else self._staging.put(matrix))
             try:
-                check_finite_inputs(reads.name, sums, matrix, self.reader.steps)
-                self._tell(reads, wanted, rows, sums)
+                checks = None if base is None else np.zeros((len(w), 2))
+                if base is not None:
+                    self._add_base(reads.name, rows, sums, base, checks)
+                check_finite_inputs(reads.name, sums, matrix, self.reader.steps, checks)
+                self._tell(reads, wanted, rows, sums, checks)
             finally:
                 if self.products is not None:
                     self.products.release(sums)
@@ -513,6 +554,30 @@ class TrajectoryPass:
         relex.fit.gram_kernel's), else torch's matrix multiply."""
         out = None if self.products is None else self._out(len(w), matrix.shape[1])
         return (torch_sums if self.arithmetic is None else self.arithmetic.chunk_sums)(w, matrix, out)
+
+
+# glibc's mmap threshold while a pass runs (`map_large_blocks`): a block of 2**22 float32 values and larger
+LARGE_BLOCK_BYTES = 16 * 2**20
+
+
+@functools.cache
+def map_large_blocks() -> bool:
+    """Have glibc serve every allocation of LARGE_BLOCK_BYTES or more from a memory map of its own, given back to
+    the system when freed; whether it took (False on another C library). By default glibc raises that threshold
+    to the size of each large block freed (up to 32 MiB) and then serves such blocks from its heap, where a pass's
+    blocks and products, of sizes that change from tensor to tensor, leave holes it does not give back. On the
+    SmolLM2 run with `--io direct`, peak RSS grew from 0.95 GiB to 1.28-1.59 GiB over the layers after the
+    embedding that way, and stays at 0.95 GiB with the threshold fixed (measured 2026-12-02). Once per process;
+    allocations under the threshold, most of a training step's, are left to glibc as before."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, LARGE_BLOCK_BYTES))
+
+
+M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 
 MAX_KERNEL_THREADS = 8  # threads of `_KernelReads`: each reads and computes on its own core, at most this many
@@ -571,11 +636,18 @@ class _KernelReads:
         """The Gram of tensor `name`, formed on the caller's thread (a pass that planned none, finding a NaN)."""
         return self.arithmetic.file_gram(self.files[name])
 
-    def sums(self, name: str, w: np.ndarray, blocks: Sequence[tuple[np.ndarray, int]]) -> list[Future]:
-        """Queue W · M of tensor `name` for each block (out, first column): `out` (float32, rows of W × columns)
-        gets the block's columns. One job per block, ahead of any Gram; their futures, in order."""
+    def reads_base(self, name: str) -> bool:
+        """Whether the kernels can read θ₀'s values of tensor `name` (to add them to sums)."""
+        return self.files[name].base_descriptor >= 0
+
+    def sums(self, name: str, w: np.ndarray, blocks: Sequence[tuple[np.ndarray, int, np.ndarray | None]],
+             base: np.ndarray | None = None) -> list[Future]:
+        """Queue W · M of tensor `name` for each block (out, first column, checks): `out` (float32, rows of W ×
+        columns) gets the block's columns, and with `base` (a weight of θ₀ per row of W) θ₀ · base added and
+        `checks` formed (`Consumer.sums`). One job per block, ahead of any Gram; their futures, in order."""
         files = self.files[name]
-        return [self._queue(0, self.arithmetic.file_sums, w, files, out, at, at + out.shape[1]) for out, at in blocks]
+        return [self._queue(0, self.arithmetic.file_sums, w, files, out, at, at + out.shape[1], base, checks)
+                for out, at, checks in blocks]
 
     @staticmethod
     def settle(jobs: Sequence[Future]) -> None:
@@ -634,14 +706,30 @@ class _Staging:
             self.copied = None
 
 
-def check_finite_inputs(name: str, sums: torch.Tensor, matrix: torch.Tensor, steps) -> None:
+def _base_weights(wanted: list) -> np.ndarray | None:
+    """θ₀'s weight in each row of a stacked product (1 in the rows of a consumer that adds θ₀, else 0), or None
+    when no consumer does."""
+    if not any(consumer.adds_base for consumer, _ in wanted):
+        return None
+    return np.concatenate([np.full(len(w), float(consumer.adds_base), dtype=np.float32) for consumer, w in wanted])
+
+
+def _finite_sums(sums: torch.Tensor, checks: np.ndarray | None) -> bool:
+    """Whether every value of a product is finite: from its checks where it has them (θ₀ added), else its sum."""
+    if checks is not None:
+        return bool(np.isfinite(checks).all())
+    return math.isfinite(float(sums.sum()))
+
+
+def check_finite_inputs(name: str, sums: torch.Tensor, matrix: torch.Tensor, steps, checks: np.ndarray | None = None) -> None:
     """Refuse weighted sums made non-finite by a NaN or Inf in the values read, naming the step that holds it.
 
     Passes without a Gram (a saved fit, two-point, observed...) see such values only here. A sum is the cheap
-    test (a NaN or Inf in the sums comes from one in the values, or from an overflow); only then is `matrix`
-    scanned, which names the step, or finds none (an overflow, left to the writer's check of its output).
+    test (a NaN or Inf in the sums comes from one in the values, or from an overflow), or the sums' `checks`
+    where θ₀ was added; only then is `matrix` scanned, which names the step, or finds none (an overflow, left to
+    the writer's check of its output).
     """
-    if math.isfinite(float(sums.sum())):
+    if _finite_sums(sums, checks):
         return
     bad = ~torch.isfinite(matrix).all(dim=1).cpu()
     if bad.any():
