@@ -189,6 +189,9 @@ def phase_products(store_dir: str, device: str, io: str, reads: str = "planned")
     return {"seconds": time.perf_counter() - started, "values": consumer.values}
 
 
+READ_BUFFER = 256 << 10  # the plain read's buffer (`phase_read_files`)
+
+
 def phase_read_files(*folders: str) -> dict:
     """Every byte of the safetensors files under `folders` read once into one reused buffer (what `cat` does).
 
@@ -197,8 +200,12 @@ def phase_read_files(*folders: str) -> dict:
     several times slower on some CPUs: on the development machine on 2026-12-01 (AMD EPYC, Zen 3), 10.76 GB took
     4.3-4.7 s into a bytearray and 1.0-1.1 s into the same memory 64-byte aligned (`cat`: 1.05 s), which made
     this floor, and so every ratio to it, look 4x better than it is.
+
+    It is READ_BUFFER bytes, small enough to stay in a core's L2 as `cat`'s 128 KiB does. Up to run 27 it was 16
+    MiB, which was as fast as `cat` on the AMD machines but not on the Intel Xeon of 2026-12-02: the copied store
+    (10.76 GB) took 2.78-3.33 s into 16 MiB, 1.82-2.18 s into 256 KiB, and `cat` 2.03 s, a floor 1.5x too slow.
     """
-    buffer, total = mmap.mmap(-1, 16 << 20), 0
+    buffer, total = mmap.mmap(-1, READ_BUFFER), 0
     started = time.perf_counter()
     for path in sorted(p for folder in folders for p in Path(folder).rglob("*.safetensors")):
         with open(path, "rb", buffering=0) as file:
