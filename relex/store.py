@@ -669,9 +669,9 @@ class TrajectoryReader:
         return files
 
     def tensor_files(self, name: str) -> TensorFiles | None:
-        """Where tensor `name`'s values lie at every step (and θ₀'s, for a referenced checkpoint), for a caller that
-        reads them itself; None when some step (or θ₀) stores it in a dtype other than float32 and bf16 or outside
-        a safetensors file, or reads go past the page cache (`direct`): those are read by `read_into`."""
+        """Where tensor `name`'s values lie at every step, and θ₀'s, for a caller that reads them itself; None when
+        some step (or θ₀, for a referenced checkpoint) stores it in a dtype other than float32 and bf16 or outside a
+        safetensors file, or reads go past the page cache (`direct`): those are read by `read_into`."""
         files = None if self.direct else self._step_files(name)
         if files is None or any(file.direct or dtype not in KERNEL_DTYPES for file, dtype in files):
             return None

@@ -556,8 +556,9 @@ class TrajectoryPass:
         return (torch_sums if self.arithmetic is None else self.arithmetic.chunk_sums)(w, matrix, out)
 
 
-# glibc's mmap threshold while a pass runs (`map_large_blocks`): a block of 2**22 float32 values and larger
+# glibc's mmap threshold from the first pass of a process on (`map_large_blocks`): a block of 2**22 float32 values
 LARGE_BLOCK_BYTES = 16 * 2**20
+M_MMAP_THRESHOLD = -3  # mallopt's parameter for it (glibc's malloc.h)
 
 
 @functools.cache
@@ -575,9 +576,6 @@ def map_large_blocks() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, LARGE_BLOCK_BYTES))
-
-
-M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 
 MAX_KERNEL_THREADS = 8  # threads of `_KernelReads`: each reads and computes on its own core, at most this many
