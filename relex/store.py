@@ -550,6 +550,7 @@ class TrajectoryReader:
         self.base = CheckpointReader(store.base_dir)
         self._sources = [self._open(entry) for entry in self.entries]  # one reader per step, files kept open
         self._files: dict[str, list[SafetensorsFile] | None] = {}  # per tensor: `_float32_files`
+        self._tensor_files: dict[str, TensorFiles | None] = {}  # per tensor: `tensor_files`
         self._referenced = [entry.kind == "checkpoint" for entry in self.entries]  # rows that hold θ_s, not Δ_s
         self._subtract = [i for i, referenced in enumerate(self._referenced) if referenced]
         self._local = threading.local()  # per reading thread: the buffer θ₀'s rows are read into (`_base_block`)
@@ -652,7 +653,7 @@ class TrajectoryReader:
 
     def _step_files(self, name: str) -> list[tuple[SafetensorsFile, torch.dtype]] | None:
         """The file holding tensor `name` at each step and its dtype there, when each step stores it in a safetensors
-        file (else None: verl's shards); a referenced checkpoint's shape is checked here, once per tensor and pass."""
+        file (else None: verl's shards); a referenced checkpoint's shape is checked here, once per tensor and reader."""
         expected = self.infos[name].shape
         files: list | None = []
         for entry, source in zip(self.entries, self._sources):
@@ -671,7 +672,13 @@ class TrajectoryReader:
     def tensor_files(self, name: str) -> TensorFiles | None:
         """Where tensor `name`'s values lie at every step, and θ₀'s, for a caller that reads them itself; None when
         some step (or θ₀, for a referenced checkpoint) stores it in a dtype other than float32 and bf16 or outside a
-        safetensors file, or reads go past the page cache (`direct`): those are read by `read_into`."""
+        safetensors file, or reads go past the page cache (`direct`): those are read by `read_into`. Worked out once
+        per tensor (a pass asks when it plans and when it reads)."""
+        if name not in self._tensor_files:
+            self._tensor_files[name] = self._locate(name)
+        return self._tensor_files[name]
+
+    def _locate(self, name: str) -> TensorFiles | None:
         files = None if self.direct else self._step_files(name)
         if files is None or any(file.direct or dtype not in KERNEL_DTYPES for file, dtype in files):
             return None

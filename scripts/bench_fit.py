@@ -144,6 +144,7 @@ def phase_extrapolate(store_dir: str, out: str, device: str, io: str) -> dict:
 
     store = TrajectoryStore.open(store_dir)
     last = store.steps[-1]
+    shutil.rmtree(out, ignore_errors=True)  # an earlier run's output: removing it is not part of the work (as in run_commands)
     started = time.perf_counter()
     extrapolate_store(store, out, ExtrapolateConfig(targets=[2 * last, 5 * last], fit=FitConfig(device=device, io=io), overwrite=True))
     seconds = time.perf_counter() - started

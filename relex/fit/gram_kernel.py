@@ -299,16 +299,18 @@ def _file_lower(fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16, n
 @numba.njit(fastmath=_FLAGS, nogil=True, cache=True, boundscheck=False)
 def _add_base(b, base_row, out, start, width, checks):  # pragma: no cover - compiled
     """out[r, start:start+width] += b[r] · θ₀'s piece (`base_row`) for every row r of `out` (R × n, C-contiguous),
-    adding that part's Σ out[r]² before and Σ out[r] after to checks[r] (float64, R × 2)."""
+    adding that part's Σ out[r]² before and Σ out[r] after to checks[r] (float64, R × 2). The loop runs over a
+    slice of the row, indexed from 0: indexed `start + k` into the whole row, LLVM did not vectorise it, and it
+    took 4-5x as long (0.50-0.63 s against 0.10-0.15 s for two rows of the SmolLM2 store, one core)."""
     for r in range(out.shape[0]):
-        row, weight = out[r], b[r]
+        row, weight = out[r, start : start + width], b[r]
         squares, total = 0.0, 0.0
         for k in range(width):
-            v = row[start + k]
+            v = row[k]
             squares += np.float64(v) * np.float64(v)
             v += weight * base_row[k]
             total += np.float64(v)
-            row[start + k] = v
+            row[k] = v
         checks[r, 0] += squares
         checks[r, 1] += total
 

@@ -45,7 +45,8 @@ def weight_files(folder: Path) -> dict[str, Path]:
         raise RelexError(f"{folder}: not a folder")
     index = folder / INDEX_NAME
     if index.is_file():
-        return {name: folder / file for name, file in read_weight_map(index).items()}
+        paths: dict[str, Path] = {}  # one Path per file: a reader's lookups by it are then by identity (`_handle`)
+        return {name: paths.setdefault(file, folder / file) for name, file in read_weight_map(index).items()}
     single = folder / SINGLE_NAME
     if single.is_file():
         return {name: single for name in _header_names(single)}
@@ -122,12 +123,15 @@ class CheckpointReader:
 
     @classmethod
     def from_file(cls, path: str | Path, direct: bool = False) -> "CheckpointReader":
-        """A reader over one safetensors file (the store's per-step delta files)."""
+        """A reader over one safetensors file (the store's per-step delta files), opened here: its header is read and
+        checked once, for its names and for every read after."""
         reader = cls.__new__(cls)
-        reader.folder = Path(path).parent
-        reader.files = {name: Path(path) for name in _header_names(Path(path))}
+        path = Path(path)
+        handle = SafetensorsFile(path, direct)
+        reader.folder = path.parent
+        reader.files = dict.fromkeys(handle.keys(), path)
         reader.direct = direct
-        reader._handles = {}
+        reader._handles = {path: handle}
         return reader
 
     def names(self) -> list[str]:
