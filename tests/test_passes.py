@@ -460,3 +460,89 @@ def test_a_pass_has_glibc_map_its_large_blocks(store, monkeypatch):
     monkeypatch.undo()
     if platform.libc_ver()[0] == "glibc":
         assert passes.map_large_blocks() is True
+
+
+class Logs(Recorder):
+    """A Recorder that logs every call it gets, in order."""
+
+    def __init__(self, weights):
+        super().__init__(weights)
+        self.log = []
+
+    def gram(self, name, gram):
+        self.log.append(("gram", name))
+        super().gram(name, gram)
+
+    def weights(self, name, gram):
+        self.log.append(("weights", name))
+        return super().weights(name, gram)
+
+    def sums(self, name, rows, sums):
+        self.log.append(("sums", name))
+        super().sums(name, rows, sums)
+
+    def done(self, name):
+        self.log.append(("done", name))
+
+
+def test_the_kernels_form_one_tensors_sums_while_the_consumers_take_the_last_ones(store):
+    """A tensor the kernels read is taken one ahead: its Gram and weights come before the sums of the tensor before
+    it, so its W · M is formed meanwhile. Each kind of call still comes in plan order, a tensor's sums between its
+    weights and its `done`, and the values are those of the pass read in blocks."""
+    reader, names = store.reader(), store.trajectory_names
+    w = np.random.default_rng(3).normal(size=(2, len(STEPS)))
+    ahead, blocks = Logs(w), Recorder(w)
+    run_pass(reader, plan_pass(reader, names, grams=names, sums=names, in_kernel=True), [ahead], GRAM)
+    run_pass(reader, plan_pass(reader, names, grams=names, sums=names, in_kernel=False), [blocks], GRAM)
+    for kind in ("gram", "weights", "done"):
+        assert [n for k, n in ahead.log if k == kind] == names
+    where = {(kind, name): i for i, (kind, name) in reversed(list(enumerate(ahead.log)))}  # first call of each kind
+    for before, after in zip(names, names[1:]):
+        assert where["weights", after] < where["sums", before]  # the next tensor's W · M was queued first
+        assert where["done", before] < where["sums", after]
+    for name in names:
+        assert where["weights", name] < where["sums", name] < where["done", name]
+        np.testing.assert_allclose(ahead.grams[name], blocks.grams[name], rtol=1e-6)
+        torch.testing.assert_close(ahead.whole(name), blocks.whole(name), rtol=1e-5, atol=1e-6)
+
+
+def test_an_error_one_tensor_ahead_gives_back_the_queued_products_and_stops_the_kernels(planted, store):
+    """A NaN in a tensor's Gram, found while the sums of the tensor before it are queued and not yet told: the pass
+    fails in one line naming it, the queued tensor's products are given back, and no kernel thread is left."""
+    import threading
+
+    _, run, _ = planted
+    names = store.trajectory_names
+    bad = names[2]
+    edit(run / "checkpoint-13", lambda t: t[bad].view(-1).__setitem__(0, math.nan))
+    reader = store.reader()
+    products = ProductBuffers(smallest=1)
+    consumer = Logs(np.ones((1, len(STEPS))))
+    with pytest.raises(RelexError, match="NaN or Inf at step 13") as error:
+        run_pass(reader, plan_pass(reader, names, grams=names, sums=names, in_kernel=True), [consumer], GRAM, products=products)
+    assert bad in str(error.value) and "\n" not in str(error.value)
+    assert ("weights", names[1]) in consumer.log and ("sums", names[1]) not in consumer.log  # queued, not told
+    assert products.held == 0
+    assert not any(t.name == "relex-kernel" for t in threading.enumerate())
+
+
+def test_a_large_enough_tensor_is_summed_in_a_block_per_kernel_thread(store, monkeypatch):
+    """Each kernel thread forms one block of a tensor's W · M at once, so a tensor is planned in at least as many
+    blocks as there are threads, unless they would be under KERNEL_BLOCK_MIN values; `chunk_elements` still caps them."""
+    from relex.fit import passes
+
+    reader, names = store.reader(), store.trajectory_names
+    monkeypatch.setattr(passes, "KERNEL_BLOCK_MIN", 1)
+    for threads in (1, 2, 3):
+        monkeypatch.setattr(passes, "kernel_threads", lambda threads=threads: threads)
+        plan = plan_pass(reader, names, grams=names, sums=names, in_kernel=True)
+        for reads in plan.tensors:
+            shape = reader.infos[reads.name].shape
+            assert len(reads.rows) >= min(threads, shape[0] if shape else 1)
+    monkeypatch.setattr(passes, "KERNEL_BLOCK_MIN", 2**40)
+    plan = plan_pass(reader, names, grams=names, sums=names, in_kernel=True)
+    assert all(len(t.rows) == 1 for t in plan.tensors)
+    capped = plan_pass(reader, names, grams=names, sums=names, budget=PassBudget(chunk_elements=len(STEPS) * 64), in_kernel=True)
+    for reads in capped.tensors:  # at most 64 values a step, or one row where a row is longer
+        row = reader.block_numel(reads.name, (0, 1))
+        assert all(reader.block_numel(reads.name, r) <= max(64, row) for r in reads.rows)

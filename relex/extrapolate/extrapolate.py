@@ -232,6 +232,8 @@ class _Outputs(Consumer):
         self.computed = names | {state.tied[n] for n in names if n in state.tied}
         self.aliases = Counter(state.tied[n] for n in names if n in state.tied)  # aliases yet to be written, per tensor
         self.parts: dict[str, list[list[torch.Tensor]]] = {}  # a tensor's output blocks, per target, for its aliases
+        self.current: str | None = None  # the tensor being written (`_start`)
+        self.keeps_base: set[str] = set()  # asked for, with all-zero weights: its base values are written at `done`
 
     def advance(self, until: str | None) -> None:
         """Emit the layout's entries up to `until` (the pass's next tensor; None: to the end) that the pass does not compute."""
@@ -271,16 +273,31 @@ class _Outputs(Consumer):
                     self.products.hold(values)
         self.emit(name, outputs)
 
+    def _start(self, name: str) -> None:
+        """Emit the layout's entries before tensor `name` and begin it, once, as its first output is written."""
+        if name != self.current:
+            self.advance(name)
+            self.begin(name)
+            self.current = name
+
     def weights(self, name: str, gram: np.ndarray | None) -> np.ndarray | None:
-        self.advance(name)
-        self.begin(name)
+        """W for tensor `name`. The pass asks as soon as the tensor's Gram is formed, which may be before the tensor
+        ahead of it is written (relex.fit.passes.Consumer.weights), so nothing is written here: the outputs go out
+        from `sums`, and the base values of an all-zero trajectory from `done`, in the layout's order."""
         w = self.state.weights(name, gram)
         if w is None:
-            base = self.state.base.read(name).to(self.state.out_dtype or self.infos[name].dtype)
-            self._emit(name, [base] * len(self.state.reports))
+            self.keeps_base.add(name)
         return w
 
+    def done(self, name: str) -> None:
+        if name in self.keeps_base:
+            self.keeps_base.discard(name)
+            self._start(name)
+            base = self.state.base.read(name).to(self.state.out_dtype or self.infos[name].dtype)
+            self._emit(name, [base] * len(self.state.reports))
+
     def sums(self, name: str, rows, sums: torch.Tensor, checks: np.ndarray | None = None) -> None:
+        self._start(name)
         info = self.infos[name]  # in the output dtype
         shape = info.shape if rows is None else (rows[1] - rows[0], *info.shape[1:])
         combined = [self.state.combine(exact, row_checks, report, info.dtype)

@@ -59,6 +59,7 @@ from relex.util import reused
 LOG = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_ELEMENTS = 2**22  # values per (T × rows) block read at once: 16 MiB of float32, about the CPU's L3
+KERNEL_BLOCK_MIN = 2**16  # values of a block whose W · M the kernels form, below which a tensor is not split more (kernel_block)
 DEFAULT_HOLD_ELEMENTS = 2**27  # 512 MiB of float32: a trajectory up to this size is read once, not twice
 MIN_BUFFERS = 2  # one the caller computes on while a reader fills the other
 # from the page cache, blocks are kept for a second use only when the buffer they are kept in is reused this many
@@ -166,8 +167,9 @@ def plan_pass(
     On the CPU, a tensor that every step (and θ₀, where subtracted) stores in float32 or bf16 in a safetensors file
     read through the page cache (`TrajectoryReader.tensor_files`) is read by the kernels themselves (`in_kernel`,
     default: wherever they run, relex.fit.gram.reads_files): a piece of every step's row at a time, into the core's
-    cache, once for its Gram and once for its sums, so none of the blocks, buffers or holding below apply to it; its sums are handed over in
-    the row blocks `chunk_elements` gives. Measured on the SmolLM2 store (T = 20, 10.8 GB, page cache, alternating
+    cache, once for its Gram and once for its sums, so none of the blocks, buffers or holding below apply to it; its
+    sums are formed and handed over in row blocks of at most `chunk_elements`, and at least one per kernel thread
+    where the tensor is large enough (`kernel_block`). Measured on the SmolLM2 store (T = 20, 10.8 GB, page cache, alternating
     with the blocks below): `relex extrapolate` to two targets took 2.41-2.75 s against 3.39-3.71 s on copied
     float32 deltas, 2.56-3.24 s against 3.48-4.78 s on float32 checkpoints referenced in place, 3.01-3.56 s
     against 5.10-7.64 s on bf16 ones (4 runs each; docs/performance.md, stop 35). The others (fp16, verl's shards,
@@ -202,7 +204,7 @@ def plan_pass(
         if not (gram or summed):
             continue
         if in_kernel and reader.tensor_files(name) is not None:  # its sums are handed over in row blocks
-            rows = tuple(reader.row_blocks(name, chunk)) if summed else (None,)
+            rows = tuple(reader.row_blocks(name, min(chunk, kernel_block(steps, reader.infos[name].numel)))) if summed else (None,)
             tensors.append(TensorReads(name, rows, gram, summed, in_kernel=True))
             continue
         if gram and summed and steps * reader.infos[name].numel <= hold:
@@ -219,6 +221,13 @@ def plan_pass(
     largest = max((steps * reader.block_numel(t.name, r) for t in tensors if not t.in_kernel for r in t.rows), default=0)
     count = max(MIN_BUFFERS, min(STREAM_BUFFERS, budget.buffer_bytes // max(1, 4 * largest)))
     return PassPlan(tuple(tensors), steps, device or torch.device("cpu"), largest, count, max(kept, default=0))
+
+
+def kernel_block(steps: int, numel: int) -> int:
+    """The largest row block, in values (T × its columns), of a tensor whose W · M the kernels form: one block per
+    kernel thread, so that each forms a share of it at once (a job is one block), unless that makes them smaller
+    than KERNEL_BLOCK_MIN values."""
+    return max(KERNEL_BLOCK_MIN, -(-steps * numel // kernel_threads()))
 
 
 def device_block_elements(budget: PassBudget, device: torch.device) -> int:
@@ -254,7 +263,10 @@ class Consumer:
         """The tensor's Gram (float64, T × T, checked finite), for a tensor planned with one."""
 
     def weights(self, name: str, gram: np.ndarray | None) -> np.ndarray | None:
-        """Weights W (rows × T) for the sums of a tensor planned with them; None: none wanted from this consumer."""
+        """Weights W (rows × T) for the sums of a tensor planned with them; None: none wanted from this consumer.
+        Asked in plan order, but for a tensor the kernels read, as soon as its Gram is formed: before the sums of the
+        tensor ahead of it are told (`TrajectoryPass.tensor`). So what a consumer does in order with the values (a
+        writer's next tensor) belongs in `sums` and `done`, not here."""
         return None
 
     def sums(self, name: str, rows: tuple[int, int] | None, sums: torch.Tensor, checks: np.ndarray | None = None) -> None:
@@ -353,6 +365,22 @@ def run_pass(reader: TrajectoryReader, plan: PassPlan, consumers: Sequence[Consu
     with TrajectoryPass(reader, plan, gram, products) as engine:
         for reads in tqdm(plan.tensors, desc=desc, unit="tensor", leave=False, disable=None if desc else True):
             engine.tensor(reads, consumers)
+        engine.finish()
+
+
+@dataclass
+class _Queued:
+    """A tensor the kernels read, whose W · M is queued (`TrajectoryPass._queue_kernel_tensor`): the consumers
+    that asked for sums with their weights, and per row block (rows, product, first column, checks) and its job."""
+
+    reads: TensorReads
+    consumers: Sequence[Consumer]
+    gram: np.ndarray | None
+    wanted: list = dataclasses.field(default_factory=list)
+    base: np.ndarray | None = None
+    in_kernel_base: bool = False
+    blocks: list = dataclasses.field(default_factory=list)
+    formed: list = dataclasses.field(default_factory=list)
 
 
 class TrajectoryPass:
@@ -382,6 +410,7 @@ class TrajectoryPass:
         self._blocks = reader.stream(plan.blocks(), work=work, buffers=self.buffers)
         self._staging = _Staging(self.device, plan.buffer_elements)
         self._kernel = _KernelReads(reader, in_kernel, gram, kernel_threads()) if in_kernel else None  # starts its threads
+        self._queued: _Queued | None = None  # a tensor whose W · M is queued, not yet told (`tensor`)
 
     def _block_gram(self, block: Block, matrix: torch.Tensor) -> torch.Tensor:
         """A block's Gram, formed by whichever of the stream's threads would otherwise wait (on the CPU)."""
@@ -393,17 +422,34 @@ class TrajectoryPass:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def finish(self) -> None:
+        """Tell the consumers what is still queued: the last tensor's sums (`tensor`)."""
+        queued, self._queued = self._queued, None
+        self._tell_queued(queued)
+
     def close(self) -> None:
+        if self._queued is not None:  # an error came first: the queued tensor is not told
+            self._let_go(self._queued)
+            self._queued = None
         self._blocks.close()
         if self._kernel is not None:
             self._kernel.close()
 
     def tensor(self, reads: TensorReads, consumers: Sequence[Consumer]) -> None:
-        """Take every planned read of one tensor, telling the consumers its Gram and sums."""
+        """Take every planned read of one tensor, telling the consumers its Gram and sums.
+
+        A tensor the kernels read is taken one tensor ahead: its Gram is told and its W · M queued, then the consumers
+        are told the sums of the tensor before it (`_tell_queued`), and its own when the next tensor comes, or at
+        `finish`. So the kernels form one tensor's products while the consumers take the last one's, instead of
+        waiting for them (on the SmolLM2 run, 272 tensors, most of them a few milliseconds of each). Consumers are
+        told each tensor's Gram and asked for its weights in plan order, and its sums and `done` in plan order,
+        but a tensor's Gram and weights may come before the sums of the one ahead of it (`Consumer.weights`)."""
         if reads.in_kernel:
-            self._kernel_tensor(reads, consumers)
-            for consumer in consumers:
-                consumer.done(reads.name)
+            previous, self._queued = self._queued, self._queue_kernel_tensor(reads, consumers)
+        else:
+            previous, self._queued = self._queued, None
+        self._tell_queued(previous)
+        if reads.in_kernel:
             return
         gram, held = None, []
         if reads.gram:
@@ -450,46 +496,65 @@ class TrajectoryPass:
         self.arithmetic.check(reads.name, gram, self.reader.steps)
         return gram
 
-    def _kernel_tensor(self, reads: TensorReads, consumers: Sequence[Consumer]) -> None:
-        """One tensor the kernels read themselves: its Gram (formed ahead by `_KernelReads`), then W · M for the
-        weights the consumers ask for, all of them in one product per row block. Every block is queued at once, so
-        the kernels form the next ones while the consumers take one."""
+    def _queue_kernel_tensor(self, reads: TensorReads, consumers: Sequence[Consumer]) -> _Queued:
+        """One tensor the kernels read themselves, up to its W · M: its Gram (formed ahead by `_KernelReads`) told to
+        the consumers, their weights asked for, and W · M queued for all of them, one product per row block. Every
+        block is queued at once, so the kernels form them while the consumers take the tensor before this one
+        (`_tell_queued`)."""
         name, gram = reads.name, None
         if reads.gram:
             gram = self._kernel.gram(name)
             self.arithmetic.check(name, gram, self.reader.steps)
             for consumer in consumers:
                 consumer.gram(name, gram)
-        if not reads.sums:
-            return
-        wanted = self._wanted(reads, consumers, gram)
-        if not wanted:
-            return
-        w = np.ascontiguousarray(np.concatenate([w for _, w in wanted]), dtype=np.float32)
-        base = _base_weights(wanted)
-        in_kernel_base = base is not None and self._kernel.reads_base(name)
-        blocks, start, formed = [], 0, []
-        for rows in reads.rows:
-            columns = self.reader.block_numel(name, rows)
-            checks = None if base is None else np.zeros((len(w), 2))
-            blocks.append((rows, self._out(len(w), columns), start, checks))
-            start += columns
+        queued = _Queued(reads, consumers, gram)
+        queued.wanted = self._wanted(reads, consumers, gram) if reads.sums else []
+        if not queued.wanted:
+            return queued
+        w = np.ascontiguousarray(np.concatenate([w for _, w in queued.wanted]), dtype=np.float32)
+        queued.base = _base_weights(queued.wanted)
+        queued.in_kernel_base = queued.base is not None and self._kernel.reads_base(name)
+        start = 0
         try:
-            formed = self._kernel.sums(name, w, [(out.numpy(), at, checks) for _, out, at, checks in blocks],
-                                       base if in_kernel_base else None)
-            for (rows, sums, _, checks), done in zip(blocks, formed):
-                done.result()
-                if base is not None and not in_kernel_base:
-                    self._add_base(name, rows, sums, base, checks)
-                if gram is None and not _finite_sums(sums, checks):
+            for rows in reads.rows:
+                columns = self.reader.block_numel(name, rows)
+                checks = None if queued.base is None else np.zeros((len(w), 2))
+                queued.blocks.append((rows, self._out(len(w), columns), start, checks))
+                start += columns
+            queued.formed = self._kernel.sums(name, w, [(out.numpy(), at, checks) for _, out, at, checks in queued.blocks],
+                                              queued.base if queued.in_kernel_base else None)
+        except BaseException:
+            self._let_go(queued)
+            raise
+        return queued
+
+    def _tell_queued(self, queued: _Queued | None) -> None:
+        """Tell the consumers the W · M of a queued tensor (`_queue_kernel_tensor`) block by block as the kernels
+        form them, then that it is done."""
+        if queued is None:
+            return
+        name = queued.reads.name
+        try:
+            for (rows, sums, _, checks), formed in zip(queued.blocks, queued.formed):
+                formed.result()
+                if queued.base is not None and not queued.in_kernel_base:
+                    self._add_base(name, rows, sums, queued.base, checks)
+                if queued.gram is None and not _finite_sums(sums, checks):
                     # a NaN or Inf in the values, or an overflow: their Gram's diagonal names the step (relex.fit.gram)
                     self.arithmetic.check(name, self._kernel.gram_now(name), self.reader.steps)
-                self._tell(reads, wanted, rows, sums, checks)
+                self._tell(queued.reads, queued.wanted, rows, sums, checks)
         finally:
-            self._kernel.settle(formed)
-            if self.products is not None:
-                for _, sums, _, _ in blocks:
-                    self.products.release(sums)
+            self._let_go(queued)
+        for consumer in queued.consumers:
+            consumer.done(name)
+
+    def _let_go(self, queued: _Queued) -> None:
+        """Drop a queued tensor's jobs not begun, wait for the others, and give its products back."""
+        self._kernel.settle(queued.formed)
+        if self.products is not None:
+            for _, sums, _, _ in queued.blocks:
+                self.products.release(sums)
+        queued.formed, queued.blocks = [], []
 
     def _wanted(self, reads: TensorReads, consumers: Sequence[Consumer], gram: np.ndarray | None) -> list:
         """(consumer, W) for each consumer that asks for weighted sums of this tensor."""
@@ -579,6 +644,7 @@ def map_large_blocks() -> bool:
 
 
 MAX_KERNEL_THREADS = 8  # threads of `_KernelReads`: each reads and computes on its own core, at most this many
+GRAMS_AHEAD = 2  # the Grams of this many tensors after one are formed before its W · M (`_KernelReads`)
 
 
 def kernel_threads() -> int:
@@ -591,16 +657,19 @@ class _KernelReads:
     """The tensors a pass's kernels read themselves (`TensorReads.in_kernel`), on threads of their own, each
     running a kernel (which releases the GIL) start to end on its core. Every Gram is queued at the start in plan
     order: a T × T result, so they run ahead of the caller at no cost in memory. A tensor's W · M, which needs
-    the weights fitted from its Gram, is queued when the caller has them (`sums`), one job per row block, ahead of
-    any Gram, so that while the caller hands one block to the consumers the threads form the next. A failed job's
-    error is raised where the caller waits for it."""
+    the weights fitted from its Gram, is queued when the caller has them (`sums`), one job per row block. Jobs run
+    in plan order, a tensor's W · M as if it came GRAMS_AHEAD tensors later: after the Grams of the tensors just
+    ahead of it, which the caller asks for next (`TrajectoryPass.tensor` queues one tensor's W · M before it
+    tells the last one's), and before the Grams of those further on, which can wait. A failed job's error is
+    raised where the caller waits for it."""
 
     def __init__(self, reader: TrajectoryReader, tensors: Sequence[TensorReads], arithmetic, threads: int):
         self.arithmetic = arithmetic
         self.files = {t.name: reader.tensor_files(t.name) for t in tensors}
         self.jobs: queue.PriorityQueue = queue.PriorityQueue()
         self.order = itertools.count()  # ties of priority go first come, first served
-        self.grams = {t.name: self._queue(1, arithmetic.file_gram, self.files[t.name]) for t in tensors if t.gram}
+        self.index = {t.name: i for i, t in enumerate(tensors)}  # plan order: a job's priority (`sums`)
+        self.grams = {t.name: self._queue(self.index[t.name], arithmetic.file_gram, self.files[t.name]) for t in tensors if t.gram}
         self.threads = [threading.Thread(target=self._run, name="relex-kernel", daemon=True) for _ in range(threads)]
         # the kernels take their cores; the caller's own arithmetic (the consumers': θ₀ + W · M, norms) gets the rest,
         # or one: torch's idle threads spin a while after each product, on the cores the kernels need
@@ -642,9 +711,10 @@ class _KernelReads:
              base: np.ndarray | None = None) -> list[Future]:
         """Queue W · M of tensor `name` for each block (out, first column, checks): `out` (float32, rows of W ×
         columns) gets the block's columns, and with `base` (a weight of θ₀ per row of W) θ₀ · base added and
-        `checks` formed (`Consumer.sums`). One job per block, ahead of any Gram; their futures, in order."""
+        `checks` formed (`Consumer.sums`). One job per block, in the order above; their futures, in order."""
         files = self.files[name]
-        return [self._queue(0, self.arithmetic.file_sums, w, files, out, at, at + out.shape[1], base, checks)
+        priority = self.index[name] + GRAMS_AHEAD
+        return [self._queue(priority, self.arithmetic.file_sums, w, files, out, at, at + out.shape[1], base, checks)
                 for out, at, checks in blocks]
 
     @staticmethod
