@@ -118,21 +118,25 @@ def test_a_checkpoint_reader_closes_its_files_at_the_end_of_a_with_block(tmp_pat
     assert checkpoint_infos(tmp_path)["w"].shape == (2, 3)
 
 
-def test_a_reader_over_one_file_reads_its_header_once(tmp_path, monkeypatch):
-    """A store's step file is opened, and its header read and checked, once per reader: for its names and for every
-    read after (a header of a 272-tensor SmolLM2 step took ~9 ms to check, twice per step before)."""
+@pytest.mark.parametrize("how", ["step file", "folder"])
+def test_a_reader_over_one_file_reads_its_header_once(tmp_path, monkeypatch, how):
+    """A store's step file, or a checkpoint folder's one model.safetensors, is opened, and its header read and
+    checked, once per reader: for its names and for every read after (a header of a 272-tensor SmolLM2 step took
+    ~9 ms to check, twice per step before)."""
     import relex.io.checkpoint as checkpoint
 
-    save_file({"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}, str(tmp_path / "step.safetensors"))
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}, str(path))
     opened = []
     real = checkpoint.SafetensorsFile
     monkeypatch.setattr(checkpoint, "SafetensorsFile", lambda path, direct=False: opened.append(path) or real(path, direct))
-    with CheckpointReader.from_file(tmp_path / "step.safetensors") as reader:
+    with CheckpointReader.from_file(path) if how == "step file" else CheckpointReader(tmp_path) as reader:
         assert reader.names() == ["b", "w"]
         assert reader.read("w", rows=(1, 2)).tolist() == [[3.0, 4.0, 5.0]] and reader.info("b").shape == (3,)
         assert len(opened) == 1
     assert reader._handles == {}
     assert reader.read("b").tolist() == [1.0, 1.0, 1.0] and len(opened) == 2  # opened again after close, as before
+    assert checkpoint.weight_files(tmp_path) == {"b": path, "w": path} and len(opened) == 3  # opened and closed
 
 
 def test_a_reader_works_out_where_a_tensor_lies_once(store, monkeypatch):

@@ -38,8 +38,10 @@ class TensorInfo:
         return self.dtype.is_floating_point
 
 
-def weight_files(folder: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file for a checkpoint folder; refuses pickles and folders without weights."""
+def weight_files(folder: Path, opened: dict[Path, "SafetensorsFile"] | None = None, direct: bool = False) -> dict[str, Path]:
+    """Tensor name -> safetensors file for a checkpoint folder; refuses pickles and folders without weights. A single
+    file is opened for its names: given `opened` (a reader's open files), it is kept there, its header read and
+    checked once, for its names and every read after; else it is closed again."""
     folder = Path(folder)
     if not folder.is_dir():
         raise RelexError(f"{folder}: not a folder")
@@ -49,7 +51,12 @@ def weight_files(folder: Path) -> dict[str, Path]:
         return {name: paths.setdefault(file, folder / file) for name, file in read_weight_map(index).items()}
     single = folder / SINGLE_NAME
     if single.is_file():
-        return {name: single for name in _header_names(single)}
+        file = SafetensorsFile(single, direct)
+        if opened is None:
+            file.close()
+        else:
+            opened[single] = file
+        return dict.fromkeys(file.keys(), single)
     if any((folder / name).exists() for name in PICKLE_NAMES):
         raise RelexError(
             f"{folder}: holds pickled pytorch_model.bin weights, which relex does not unpickle; "
@@ -104,22 +111,15 @@ def checkpoint_infos(folder: str | Path) -> dict[str, "TensorInfo"]:
         return reader.infos()
 
 
-def _header_names(path: Path) -> list[str]:
-    file = SafetensorsFile(path)
-    names = file.keys()
-    file.close()
-    return names
-
-
 class CheckpointReader:
     """Reads named tensors (or row ranges of them) from one checkpoint folder, keeping file handles open until
     `close` (or the end of a `with` block)."""
 
     def __init__(self, folder: str | Path, direct: bool = False):
         self.folder = Path(folder)
-        self.files = weight_files(self.folder)
         self.direct = direct  # read values with O_DIRECT, bypassing the page cache (see SafetensorsFile)
         self._handles: dict[Path, SafetensorsFile] = {}
+        self.files = weight_files(self.folder, self._handles, direct)
 
     @classmethod
     def from_file(cls, path: str | Path, direct: bool = False) -> "CheckpointReader":
