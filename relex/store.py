@@ -503,25 +503,27 @@ class Block(NamedTuple):
     work: bool = False  # the caller's per-block work (`stream`'s `work`: a Gram, for relex.fit) runs on this block
 
 
-KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # what `TensorFiles.bf16` says of each file
+# the dtypes the reading kernels take, and the code `TensorFiles.dtypes` gives each (bf16 and fp16 are widened to
+# float32 as they are read)
+KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 class TensorFiles(NamedTuple):
     """Where one tensor's values lie at every step, for reads a caller makes itself (relex.fit.gram_kernel's reading
-    kernels): each step's file and the byte offset of the tensor's first value there, float32 or bf16
+    kernels): each step's file and the byte offset of the tensor's first value there, float32, bf16 or fp16
     (`KERNEL_DTYPES`), read through the page cache; whether the step's values are θ_s (a checkpoint read in place:
     θ₀ is subtracted) and where θ₀'s values lie, for that and for sums that add θ₀ (descriptor -1 where the
-    kernels cannot read θ₀: a dtype other than float32 and bf16, or no safetensors file)."""
+    kernels cannot read θ₀: another dtype, or no safetensors file)."""
 
     name: str
     numel: int
     descriptors: np.ndarray  # int32, one open file per step
     offsets: np.ndarray  # int64
-    bf16: np.ndarray  # uint8: 1 where the step stores bf16 (converted to float32 as read), 0 for float32
+    dtypes: np.ndarray  # uint8: each step's dtype, as KERNEL_DTYPES codes it
     subtract: np.ndarray  # uint8: 1 where the step holds θ_s
     base_descriptor: int
     base_offset: int
-    base_bf16: int
+    base_dtype: int  # θ₀'s, as KERNEL_DTYPES codes it
     files: tuple[SafetensorsFile, ...]  # the steps' files, then θ₀'s when read: to name the one a read failed in
 
     def read_failed(self, status: int) -> RelexError:
@@ -671,9 +673,9 @@ class TrajectoryReader:
 
     def tensor_files(self, name: str) -> TensorFiles | None:
         """Where tensor `name`'s values lie at every step, and θ₀'s, for a caller that reads them itself; None when
-        some step (or θ₀, for a referenced checkpoint) stores it in a dtype other than float32 and bf16 or outside a
-        safetensors file, or reads go past the page cache (`direct`): those are read by `read_into`. Worked out once
-        per tensor (a pass asks when it plans and when it reads)."""
+        some step (or θ₀, for a referenced checkpoint) stores it in a dtype the kernels do not read (KERNEL_DTYPES) or
+        outside a safetensors file, or reads go past the page cache (`direct`): those are read by `read_into`. Worked
+        out once per tensor (a pass asks when it plans and when it reads)."""
         if name not in self._tensor_files:
             self._tensor_files[name] = self._locate(name)
         return self._tensor_files[name]
@@ -682,11 +684,11 @@ class TrajectoryReader:
         files = None if self.direct else self._step_files(name)
         if files is None or any(file.direct or dtype not in KERNEL_DTYPES for file, dtype in files):
             return None
-        base_descriptor, base_offset, base_bf16, used = -1, 0, 0, [file for file, _ in files]
+        base_descriptor, base_offset, base_dtype, used = -1, 0, 0, [file for file, _ in files]
         base = self.base.file_of(name)
         dtype = self.base.info(name).dtype
         if not base.direct and dtype in KERNEL_DTYPES:
-            base_descriptor, base_offset, base_bf16 = base.descriptor, base.span(name)[0], KERNEL_DTYPES[dtype]
+            base_descriptor, base_offset, base_dtype = base.descriptor, base.span(name)[0], KERNEL_DTYPES[dtype]
             used.append(base)
         elif self._subtract:
             return None
@@ -694,7 +696,7 @@ class TrajectoryReader:
             name, self.infos[name].numel, np.array([file.descriptor for file, _ in files], dtype=np.int32),
             np.array([file.span(name)[0] for file, _ in files], dtype=np.int64),
             np.array([KERNEL_DTYPES[dtype] for _, dtype in files], dtype=np.uint8),
-            np.array(self._referenced, dtype=np.uint8), base_descriptor, base_offset, base_bf16, tuple(used),
+            np.array(self._referenced, dtype=np.uint8), base_descriptor, base_offset, base_dtype, tuple(used),
         )
 
     def _read_converted(self, name: str, out: torch.Tensor, rows: tuple[int, int] | None, base: torch.Tensor | None) -> None:

@@ -9,7 +9,7 @@ import torch
 from relex.fit import gram as gram_module
 from relex.fit import gram_kernel
 from relex.fit.gram import chunk_gram, cpu_gram
-from relex.store import TensorFiles
+from relex.store import KERNEL_DTYPES, TensorFiles
 
 CPU = torch.device("cpu")
 
@@ -268,21 +268,25 @@ def test_the_reading_kernel_equals_float64_with_either_tile(tmp_path, tile, step
     assert np.array_equal(np.triu(lower, 1), np.zeros_like(lower))  # the upper triangle is not written
 
 
-@pytest.mark.parametrize("base_dtype", ["float32", "bf16"])
+@pytest.mark.parametrize("base_dtype", ["float32", "bf16", "fp16"])
 @pytest.mark.parametrize("subtract", [False, True])
 def test_the_reading_sums_add_theta0_and_form_their_checks(tmp_path, base_dtype, subtract):
     """`file_sums` with θ₀'s weights: out = θ₀ · b + W · M over a few column ranges of more than one piece (rows
     whose weight is 0 get W · M alone), and each row's checks, Σ (W · M)² and Σ out, equal float64's; where the steps
-    hold θ_s, the same θ₀ read once serves both the subtraction and the sum."""
+    hold θ_s, the same θ₀ read once serves both the subtraction and the sum. θ₀ in float32, bf16 or fp16."""
     steps, columns = 5, 2 * gram_kernel.read_piece_columns(5) + 37
     rng = np.random.default_rng(7)
     theta = rng.standard_normal(columns, dtype=np.float32)
-    bf16 = base_dtype == "bf16"
-    if bf16:  # values a bf16 holds exactly: the top half of a float32's bits
+    if base_dtype == "bf16":  # values a bf16 holds exactly: the top half of a float32's bits
         theta = (theta.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+        base_bytes = (theta.view(np.uint32) >> np.uint32(16)).astype(np.uint16).tobytes()
+    elif base_dtype == "fp16":
+        theta = theta.astype(np.float16).astype(np.float32)
+        base_bytes = theta.astype(np.float16).tobytes()
+    else:
+        base_bytes = theta.tobytes()
     m = rng.standard_normal((steps, columns), dtype=np.float32)
     stored = m + theta if subtract else m
-    base_bytes = (theta.view(np.uint32) >> np.uint32(16)).astype(np.uint16).tobytes() if bf16 else theta.tobytes()
     path = tmp_path / "rows.bin"
     path.write_bytes(stored.tobytes() + base_bytes)
     w = rng.standard_normal((3, steps), dtype=np.float32)
@@ -290,7 +294,8 @@ def test_the_reading_sums_add_theta0_and_form_their_checks(tmp_path, base_dtype,
     fd = os.open(path, os.O_RDONLY)
     try:
         files = TensorFiles("m", columns, np.full(steps, fd, dtype=np.int32), 4 * columns * np.arange(steps, dtype=np.int64),
-                            np.zeros(steps, dtype=np.uint8), np.full(steps, subtract, dtype=np.uint8), fd, stored.nbytes, int(bf16), ())
+                            np.zeros(steps, dtype=np.uint8), np.full(steps, subtract, dtype=np.uint8), fd, stored.nbytes,
+                            KERNEL_DTYPES[{"float32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[base_dtype]], ())
         out, checks = [], np.zeros((3, 2))
         for start, stop in [(0, 1000), (1000, columns)]:  # two blocks: less than a piece, and more than one
             out.append(np.zeros((3, stop - start), dtype=np.float32))
@@ -306,3 +311,25 @@ def test_the_reading_sums_add_theta0_and_form_their_checks(tmp_path, base_dtype,
     assert np.abs(out - exact).max() < 1e-4
     np.testing.assert_allclose(checks[:, 0], (update**2).sum(axis=1), rtol=1e-5)
     np.testing.assert_allclose(checks[:, 1], exact.sum(axis=1), rtol=1e-4, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_reading_kernels_widen_every_2_byte_value_as_torch_does(tmp_path, dtype):
+    """Every one of the 65,536 bf16 or fp16 values (zeros, subnormals, the largest, ±Inf, NaNs), read by the kernels
+    from a file (`file_sums` with W = 1, which leaves each value as read), is torch's float32 for it, bit for bit;
+    a NaN stays a NaN (the CPU's conversion may set its quiet bit)."""
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    want = torch.from_numpy(bits.view(np.int16).copy()).view(dtype).float().numpy()
+    path = tmp_path / "values.bin"
+    path.write_bytes(b"\0" * 6 + bits.tobytes())  # at an offset that is not a multiple of 4
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        files = TensorFiles("m", bits.size, np.array([fd], dtype=np.int32), np.array([6], dtype=np.int64),
+                            np.array([KERNEL_DTYPES[dtype]], dtype=np.uint8), np.zeros(1, dtype=np.uint8), -1, 0, 0, ())
+        got = np.zeros((1, bits.size), dtype=np.float32)
+        assert gram_kernel.file_sums(np.ones((1, 1), dtype=np.float32), files, got) == 0
+    finally:
+        os.close(fd)
+    nan = np.isnan(want)
+    assert np.isnan(got[0, nan]).all() and nan.sum() == (254 if dtype == torch.bfloat16 else 2046)
+    assert np.array_equal(got[0, ~nan].view(np.uint32), want[~nan].view(np.uint32))

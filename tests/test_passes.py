@@ -15,7 +15,7 @@ from relex.errors import RelexError
 from relex.fit.gram import GRAM
 from relex.fit.passes import KEEP_REUSE, Consumer, PassBudget, ProductBuffers, TrajectoryPass, plan_pass, run_pass
 from relex.io.checkpoint import CheckpointReader
-from relex.store import TrajectoryStore
+from relex.store import KERNEL_DTYPES, TrajectoryStore
 from relex.synthetic import write_planted_run
 from tests.conftest import STEPS, cli, make_base
 from tests.test_bad_input import edit
@@ -348,22 +348,23 @@ def test_the_kernels_read_safetensors_files_through_the_page_cache_only(store):
     assert not any(t.in_kernel for t in on_gpu.tensors)
 
 
-@pytest.mark.parametrize("kind", ["float32 referenced", "bf16 copied", "bf16 referenced"])
+@pytest.mark.parametrize("kind", ["float32 referenced", "bf16 copied", "bf16 referenced", "fp16 copied", "fp16 referenced"])
 def test_the_kernels_and_the_blocks_give_the_same_products(planted, store, tmp_path, kind):
-    """bf16 values (deltas stored in bf16, or bf16 checkpoints and base referenced in place) are widened to float32
-    as the kernels read them; either way the Grams and sums equal the blocks' and a float64 computation."""
-    if kind == "bf16 copied":
+    """bf16 and fp16 values (deltas stored in them, or such checkpoints and base referenced in place) are widened to
+    float32 as the kernels read them; either way the Grams and sums equal the blocks' and a float64 computation."""
+    dtype = {"float32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[kind.split()[0]]
+    if kind.endswith("copied"):
         base, run, _ = planted
-        assert cli("ingest", run, "--base", base, "--out", tmp_path / "halves", "--copy", "--delta-dtype", "bf16") == 0
+        assert cli("ingest", run, "--base", base, "--out", tmp_path / "halves", "--copy", "--delta-dtype", kind.split()[0]) == 0
         store = TrajectoryStore.open(tmp_path / "halves")
-    elif kind == "bf16 referenced":
-        base = make_base(tmp_path / "bf16-base", dtype=torch.bfloat16)
-        write_planted_run(base, tmp_path / "bf16-run", STEPS, noise=0.02)
-        assert cli("ingest", tmp_path / "bf16-run", "--base", base, "--out", tmp_path / "bf16-store") == 0
-        store = TrajectoryStore.open(tmp_path / "bf16-store")
+    elif dtype != torch.float32:
+        base = make_base(tmp_path / "half-base", dtype=dtype)
+        write_planted_run(base, tmp_path / "half-run", STEPS, noise=0.02)
+        assert cli("ingest", tmp_path / "half-run", "--base", base, "--out", tmp_path / "half-store") == 0
+        store = TrajectoryStore.open(tmp_path / "half-store")
     reader, names = store.reader(), store.trajectory_names
     files = reader.tensor_files(names[0])
-    assert files.bf16.all() == kind.startswith("bf16") and files.subtract.all() == kind.endswith("referenced")
+    assert (files.dtypes == KERNEL_DTYPES[dtype]).all() and files.subtract.all() == kind.endswith("referenced")
     w = np.linspace(-1, 1, len(STEPS))[None]
     results = []
     for in_kernel in (False, True):
@@ -394,24 +395,24 @@ class AddsBase(Recorder):
         self.checks.setdefault(name, []).append(checks.copy())
 
 
-@pytest.mark.parametrize("kind", ["referenced", "copied", "copied, a float16 base"])
+@pytest.mark.parametrize("kind", ["referenced", "copied", "copied, a float64 base"])
 @pytest.mark.parametrize("in_kernel", [False, True])
 def test_a_consumer_that_adds_base_gets_theta0_plus_its_sums_and_their_checks(planted, store, tmp_path, kind, in_kernel):
     """θ₀ + W · M for the consumer that asks for it, W · M for the one stacked beside it, the same whether the kernels
-    add θ₀ as they read (θ₀ float32 or bf16 in a safetensors file), the pass adds it after them (a float16 θ₀) or
+    add θ₀ as they read (θ₀ float32, bf16 or fp16 in a safetensors file), the pass adds it after them (a float64 θ₀) or
     the blocks are read by the store's reader; and the checks, Σ (W · M)² and Σ (θ₀ + W · M) per row, summed over
     the blocks, equal float64's."""
     if kind.startswith("copied"):
         base, run, _ = planted
         if kind.endswith("base"):
-            base = make_base(tmp_path / "half-base", dtype=torch.float16)
-            run = tmp_path / "half-run"
+            base = make_base(tmp_path / "wide-base", dtype=torch.float64)
+            run = tmp_path / "wide-run"
             write_planted_run(base, run, STEPS, noise=0.02)
         assert cli("ingest", run, "--base", base, "--out", tmp_path / "copied", "--copy", "--delta-dtype", "float32") == 0
         store = TrajectoryStore.open(tmp_path / "copied")
     reader, names = store.reader(), store.trajectory_names
     files = reader.tensor_files(names[0])
-    assert (files.base_descriptor >= 0) == (kind != "copied, a float16 base")
+    assert (files.base_descriptor >= 0) == (kind != "copied, a float64 base")
     rng = np.random.default_rng(3)
     adds, plain = AddsBase(rng.normal(size=(2, len(STEPS)))), Recorder(rng.normal(size=(1, len(STEPS))))
     budget = PassBudget(chunk_elements=len(STEPS) * 100, hold_elements=0)  # several blocks per tensor

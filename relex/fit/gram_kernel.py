@@ -34,6 +34,8 @@ import sys
 
 import numba
 import numpy as np
+from llvmlite import ir as llvm_ir
+from numba.extending import intrinsic
 
 
 def _import_numba_arraymath() -> None:
@@ -233,44 +235,63 @@ def weighted_sums(w: np.ndarray, matrix: np.ndarray, out: np.ndarray, start: int
 # (pread from the page cache), and form the Gram or W · M of that piece while it is in L2. The pieces go to no
 # memory beyond the core's cache: a pass over a buffer the size of a trajectory writes it to memory and reads it
 # back once per product, which is what bounded it (docs/performance.md, stop 35). A tensor's T rows are at
-# `fds` and `offsets` (one descriptor and byte offset per step), float32, or bf16 where `bf16` says so (widened to
-# float32 as read: a bf16 value is the top half of a float32's bits). `subtract` marks the steps whose row is θ_s
-# (a checkpoint read in place), from which θ₀ (at `base_fd`, `base_offset`, bf16 if `base_bf16`) is subtracted as
-# it is read. A kernel returns 0, or 1 + the step whose read came up short (steps + 1: θ₀'s), so that the caller
-# names the file. `pread` is libc's, declared by name (resolved in the process, so the compiled kernels are
-# cached); its buffer argument is passed as an address (uintp), as a pointer is passed on every 64-bit ABI numba
-# targets.
+# `fds` and `offsets` (one descriptor and byte offset per step), in the dtype each step's code in `dtypes` names
+# (relex.store.KERNEL_DTYPES: 0 float32, 1 bf16, 2 fp16; the 2-byte ones widened to float32 as read, which loses
+# nothing: a bf16 value is the top half of a float32's bits, and every fp16 value is a float32 value). `subtract`
+# marks the steps whose row is θ_s (a checkpoint read in place), from which θ₀ (at `base_fd`, `base_offset`, in the
+# dtype `base_dtype` codes) is subtracted as it is read. A kernel returns 0, or 1 + the step whose read came up short
+# (steps + 1: θ₀'s), so that the caller names the file. `pread` is libc's, declared by name (resolved in the
+# process, so the compiled kernels are cached); its buffer argument is passed as an address (uintp), as a pointer
+# is passed on every 64-bit ABI numba targets.
 _pread = numba.types.ExternalFunction("pread", numba.types.intp(numba.types.int32, numba.types.uintp, numba.types.uintp, numba.types.int64))
 
 
+@intrinsic
+def _fp16_to_float32(typingctx, bits):  # pragma: no cover - compiled
+    """An fp16 value, given as its 16 bits (uint16), as float32: LLVM's own conversion (`fpext half`), which a
+    vectorised loop forms with the CPU's conversion instruction (x86's F16C, which every x86-64 CPU since 2012 has,
+    or AVX512-FP16; ARM's FCVT). numba's CPU target has no float16 type, and the same conversion written with
+    integer operations ran at a third of the speed (0.72 against 0.21-0.25 ns per value, one core), as a table
+    lookup did."""
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], llvm_ir.HalfType()), llvm_ir.FloatType())
+
+    return numba.types.float32(numba.types.uint16), codegen
+
+
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _read_row(fd, offset, bf16, start, width, row, half):  # pragma: no cover - compiled
-    """Values start..start+width of one file's row into row[:width] as float32: True, or False for a short read."""
-    size = 2 if bf16 else 4
-    target = half.ctypes.data if bf16 else row.ctypes.data
+def _read_row(fd, offset, dtype, start, width, row, half):  # pragma: no cover - compiled
+    """Values start..start+width of one file's row into row[:width] as float32: True, or False for a short read.
+    `dtype`: the file's KERNEL_DTYPES code; a 2-byte one is read into `half`, then widened."""
+    size = 2 if dtype else 4
+    target = half.ctypes.data if dtype else row.ctypes.data
     nbytes, done = width * size, 0
     while done < nbytes:
         got = _pread(fd, target + done, nbytes - done, offset + start * size + done)
         if got <= 0:
             return False
         done += got
-    if bf16:
+    if dtype == 1:  # bf16
         bits = row.view(np.uint32)
         for k in range(width):
             bits[k] = np.uint32(half[k]) << np.uint32(16)
+    elif dtype == 2:  # fp16
+        for k in range(width):
+            row[k] = _fp16_to_float32(half[k])
     return True
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _read_piece(fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16, start, width, rows, base_row, half):  # pragma: no cover - compiled
+def _read_piece(fds, offsets, dtypes, subtract, base_fd, base_offset, base_dtype, start, width, rows, base_row, half):  # pragma: no cover - compiled
     """Columns start..start+width of every step's row into rows[:, :width] (θ₀ subtracted where marked): 0, or
-    the status above. `half`: room for one row of bf16."""
+    the status above. `half`: room for one row of 2-byte values."""
     steps = fds.shape[0]
-    if base_fd >= 0 and not _read_row(base_fd, base_offset, base_bf16, start, width, base_row, half):
+    if base_fd >= 0 and not _read_row(base_fd, base_offset, base_dtype, start, width, base_row, half):
         return steps + 1
     for s in range(steps):
         row = rows[s]
-        if not _read_row(fds[s], offsets[s], bf16[s], start, width, row, half):
+        if not _read_row(fds[s], offsets[s], dtypes[s], start, width, row, half):
             return s + 1
         if subtract[s]:
             for k in range(width):
@@ -279,14 +300,14 @@ def _read_piece(fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16, s
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _file_lower(fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16, n, piece, tile, gram):  # pragma: no cover - compiled
+def _file_lower(fds, offsets, dtypes, subtract, base_fd, base_offset, base_dtype, n, piece, tile, gram):  # pragma: no cover - compiled
     """gram[i, j] += ⟨m_i, m_j⟩ (j ≤ i) over all n columns, read `piece` columns at a time: on each, `_lower` (tile
     4) or `_lower3` (tile 3)."""
     steps = fds.shape[0]
     rows, base_row, half = np.empty((steps, piece), np.float32), np.empty(piece, np.float32), np.empty(piece, np.uint16)
     for start in range(0, n, piece):
         width = min(piece, n - start)
-        status = _read_piece(fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16, start, width, rows, base_row, half)
+        status = _read_piece(fds, offsets, dtypes, subtract, base_fd, base_offset, base_dtype, start, width, rows, base_row, half)
         if status:
             return status
         if tile == 4:
@@ -316,7 +337,7 @@ def _add_base(b, base_row, out, start, width, checks):  # pragma: no cover - com
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _file_sums(w, b, fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16, start, stop, piece, out, checks):  # pragma: no cover - compiled
+def _file_sums(w, b, fds, offsets, dtypes, subtract, base_fd, base_offset, base_dtype, start, stop, piece, out, checks):  # pragma: no cover - compiled
     """out[:, c - start] = Σ_s w[:, s] m[s, c] for columns start..stop, read `piece` columns at a time: `_sums` on
     each (out: R × (stop − start) float32); then, where `b` has a weight per row of W, θ₀ · b added and `checks`
     (`_add_base`) with θ₀'s piece read beside the steps' (an empty `b`: none)."""
@@ -324,7 +345,7 @@ def _file_sums(w, b, fds, offsets, bf16, subtract, base_fd, base_offset, base_bf
     rows, base_row, half = np.empty((steps, piece), np.float32), np.empty(piece, np.float32), np.empty(piece, np.uint16)
     for k0 in range(start, stop, piece):
         width = min(piece, stop - k0)
-        status = _read_piece(fds, offsets, bf16, subtract, base_fd, base_offset, base_bf16, k0, width, rows, base_row, half)
+        status = _read_piece(fds, offsets, dtypes, subtract, base_fd, base_offset, base_dtype, k0, width, rows, base_row, half)
         if status:
             return status
         _sums(w, rows, out[:, k0 - start : k0 - start + width], 0, width, SUM_PIECE)
@@ -344,8 +365,8 @@ def read_piece_columns(steps: int, tile: int | None = None) -> int:
 def _located(files, base: bool = False) -> tuple:
     """A relex.store.TensorFiles as the kernels take it: θ₀ is read where a step subtracts it, or with `base`."""
     reads_base = base or bool(files.subtract.any())
-    return (files.descriptors, files.offsets, files.bf16, files.subtract, files.base_descriptor if reads_base else -1,
-            files.base_offset, files.base_bf16)
+    return (files.descriptors, files.offsets, files.dtypes, files.subtract, files.base_descriptor if reads_base else -1,
+            files.base_offset, files.base_dtype)
 
 
 def file_gram(files, gram: np.ndarray, tile: int | None = None) -> int:
