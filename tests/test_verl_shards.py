@@ -51,11 +51,9 @@ dist.destroy_process_group()
 '''
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """(base, merged run, the same run as 2-rank FSDP2 shards): a planted verl run at uneven steps."""
-    root = tmp_path_factory.mktemp("verl")
-    base = make_base(root / "base", tied=False)
+def shard_run(root: Path, *, tied: bool) -> tuple[Path, Path, Path]:
+    """(base, merged run, the same run as 2-rank FSDP2 shards) under `root`: a planted verl run at uneven steps."""
+    base = make_base(root / "base", tied=tied)
     write_planted_run(base, root / "merged", VERL_STEPS, layout="verl", noise=0.02)
     (root / "shard.py").write_text(SHARD)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -64,6 +62,18 @@ def runs(tmp_path_factory):
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return base, root / "merged", root / "sharded"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A model whose output layer is its own tensor."""
+    return shard_run(tmp_path_factory.mktemp("verl"), tied=False)
+
+
+@pytest.fixture(scope="module")
+def tied_runs(tmp_path_factory):
+    """A model whose output layer is its embedding (tie_word_embeddings, as SmolLM2, Qwen2.5 up to 3B, Llama 3.2)."""
+    return shard_run(tmp_path_factory.mktemp("verl-tied"), tied=True)
 
 
 def test_shards_read_as_the_merged_checkpoint(runs):
@@ -137,3 +147,36 @@ def test_missing_rank_is_named(runs, tmp_path):
     (actor / "model_world_size_2_rank_1.pt").unlink()
     with pytest.raises(RelexError, match=r"model_world_size_2_rank_R.pt for R = \[1\] missing"):
         VerlShardReader(actor)
+
+
+def test_a_tied_models_shards_ingest_as_its_merged_run(tied_runs, tmp_path):
+    """A tied model's state dict holds its embedding under both names, so its shards do too, as one storage; the base
+    and a merged checkpoint (`save_pretrained`) hold one name. The other name is the same values, not a tensor
+    missing from the base: ingest reads the base's name, and the store equals the merged run's."""
+    base, merged, sharded = tied_runs
+    reader = open_checkpoint(sharded / "global_step_7" / "actor")
+    assert reader.shared() == [{"lm_head.weight", "model.embed_tokens.weight"}]
+    assert "lm_head.weight" not in open_checkpoint(base).names()
+    assert open_checkpoint(step_folder(merged, 7, "verl")).shared() == []
+    assert cli("ingest", sharded, "--base", base, "--out", tmp_path / "from-shards") == 0
+    assert cli("ingest", merged, "--base", base, "--out", tmp_path / "from-merged") == 0
+    shards, folders = (TrajectoryStore.open(tmp_path / n) for n in ("from-shards", "from-merged"))
+    assert shards.trajectory_names == folders.trajectory_names and "lm_head.weight" not in shards.trajectory_names
+    one, two = shards.reader(), folders.reader()
+    for name in folders.trajectory_names:
+        assert torch.equal(one.read(name), two.read(name)), name
+
+
+def test_a_weight_the_base_lacks_is_still_refused_when_it_shares_nothing(tied_runs, tmp_path, capsys):
+    """Shards whose output layer is its own memory (a model untied in training, or another model) hold a tensor the
+    tied base does not have: refused in one line, as before."""
+    base, _, sharded = tied_runs
+    actor = tmp_path / "actor"
+    shutil.copytree(sharded / "global_step_3" / "actor", actor)
+    whole = VerlShardReader(actor)
+    state = {name: whole.read(name) for name in whole.names()}  # each its own memory
+    for rank in range(2):  # plain tensors, the whole of each on every rank (as Replicate() places them)
+        torch.save(state, actor / f"model_world_size_2_rank_{rank}.pt")
+    assert VerlShardReader(actor).shared() == []
+    assert cli("ingest", actor, "--steps", "3", "--base", base, "--out", tmp_path / "store") == 2
+    assert capsys.readouterr().err.strip().endswith("tensor lm_head.weight is not in the base checkpoint")

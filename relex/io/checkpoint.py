@@ -162,6 +162,11 @@ class CheckpointReader:
     def infos(self) -> dict[str, TensorInfo]:
         return {name: self.info(name) for name in self.names()}
 
+    def shared(self) -> list[set[str]]:
+        """Sets of names that hold the same values by construction (relex.io.verl_shards); none here: a
+        safetensors file stores every tensor it names on its own."""
+        return []
+
     def read(self, name: str, rows: tuple[int, int] | None = None, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor `name` in its stored dtype; with `rows=(a, b)`, only rows a..b-1 of its first dimension. With
         `buffer` (a flat uint8 tensor), a view of it when the values fit, instead of new memory."""

@@ -130,6 +130,24 @@ class VerlShardReader:
     def infos(self) -> dict[str, TensorInfo]:
         return {name: self.info(name) for name in self.names()}
 
+    def shared(self) -> list[set[str]]:
+        """Sets of two or more names whose parts are the same memory in every rank's shard: a model's tied weights
+        (`lm_head.weight` and `model.embed_tokens.weight`), which its `state_dict()` holds under both names and
+        `torch.save` writes once. A merged checkpoint (`save_pretrained`), and so the base, keeps one of the names
+        only. Empty tensors share nothing."""
+        groups: dict[tuple, set[str]] = {}
+        for name in self.names():
+            parts = self._parts(name)
+            where = []
+            for part in parts:
+                local = part.to_local() if hasattr(part, "to_local") else part
+                if local.numel() == 0:
+                    break
+                where.append((local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), local.stride(), local.dtype))
+            else:
+                groups.setdefault((tuple(where), self._shard_dim(name, parts[0])), set()).add(name)
+        return [names for names in groups.values() if len(names) > 1]
+
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor `name`, assembled from the ranks' parts; with `rows=(a, b)`, only rows a..b-1."""
         parts = self._parts(name)
