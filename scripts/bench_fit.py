@@ -12,15 +12,17 @@ Each is repeated; medians, every run, their ratio, CPU time and peak RSS are pri
 meets the goal on SmolLM2 shapes, T = 20: ratio ≤ 2.0 and peak RSS under 3 GiB while the trajectory is ~11 GB.
 
 `--layout verl` measures what a user with a finished run does instead (issue 14): the run is written as float32
-checkpoints in verl's layout (`global_step_N/actor/huggingface/`, relex.synthetic), and
+checkpoints (or `--dtype bf16` or `fp16` ones, with a base in the same dtype) in verl's layout
+(`global_step_N/actor/huggingface/`, relex.synthetic), and
   1. read: every byte of the run's checkpoint files and the base read once (the floor: what `cat` does);
   2. `relex ingest` (referenced in place: names, shapes, dtypes and headers), and for comparison `relex ingest
      --verify` (every value scanned for NaN/Inf) and `relex ingest --copy` (float32 deltas written into a store);
-  3. fit + extrapolate: `relex extrapolate` to two targets on that store (Gram pass + weighted sum), and the same
+  3. fit + extrapolate: `relex extrapolate` to two targets on that store (Gram pass + weighted sum), that pass
+     reduced to its products (below) read by the kernels and read in blocks by the store's reader, and the same
      on a store of copied float32 deltas of the same run (`relex ingest --copy`, made once, untimed), against a
      read of that store's files; with the command's default I/O (`--io auto`, printed: here reads through the
      page cache, checkpoints written direct); and that pass reduced to its reads, each tensor's Gram and a W · M
-     with fixed weights (`phase_products`: no fit, no θ₀, nothing written), what every fitted method computes,
+     with fixed weights (`phase_products`: no fit, no θ₀ added, nothing written), what every fitted method computes,
      as planned (float32 files read by the kernels themselves) and read in blocks by the store's reader.
 The phases time the work inside their process. So that what a user waits for shows too, `relex ingest` and
 `relex extrapolate` are also run as typed, from the page cache, each process timed from its start to its exit.
@@ -39,6 +41,7 @@ the child, or os.wait4 on it) is not: Linux carries the forking parent's RSS ove
 
     .venv/bin/python scripts/bench_fit.py --workdir /tmp/relex-bench [--steps 20] [--device cpu|cuda] [--repeats 3]
     .venv/bin/python scripts/bench_fit.py --layout verl --workdir /tmp/relex-bench-verl --steps 6
+    .venv/bin/python scripts/bench_fit.py --layout verl --dtype fp16 --workdir /tmp/relex-bench-fp16 --steps 20
 """
 
 from __future__ import annotations
@@ -66,8 +69,12 @@ SHAPES = {  # LlamaConfig fields of real models
 }
 
 
-def write_base(workdir: Path, shape: str):
-    """A fresh `workdir` holding `base/`, random float32 weights of the shape's model; (name -> shape, generator)."""
+DTYPES = ("float32", "bf16", "fp16")  # what `--dtype` may name (the verl layout's checkpoints and base)
+
+
+def write_base(workdir: Path, shape: str, dtype: str = "float32"):
+    """A fresh `workdir` holding `base/`, random weights of the shape's model in `dtype` (DTYPES); (name -> shape,
+    generator)."""
     import torch
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -81,21 +88,29 @@ def write_base(workdir: Path, shape: str):
     with torch.device("meta"):
         names = {n: tuple(p.shape) for n, p in LlamaForCausalLM(config).named_parameters()}
     gen = torch.Generator().manual_seed(0)
-    save_file({n: torch.randn(s, generator=gen) * 0.02 for n, s in names.items()}, str(base / "model.safetensors"), metadata={"format": "pt"})
+    kind = {"float32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    save_file({n: (torch.randn(s, generator=gen) * 0.02).to(kind) for n, s in names.items()}, str(base / "model.safetensors"),
+              metadata={"format": "pt"})
     return names, gen
 
 
-def build_verl_run(workdir: Path, shape: str, steps: int) -> Path:
-    """(once) `workdir/run`: float32 checkpoints at steps 2, 4, ..., 2T in verl's layout, a planted rank-1 path."""
+def build_verl_run(workdir: Path, shape: str, steps: int, dtype: str = "float32") -> Path:
+    """(once) `workdir/run-…`: checkpoints in `dtype` (and a base in it) at steps 2, 4, ..., 2T in verl's layout, a
+    planted rank-1 path."""
     from relex.synthetic import step_folder, write_planted_run
 
-    run = workdir / f"run-{shape}-T{steps}"
+    run = workdir / f"run-{shape}-T{steps}{_suffix(dtype)}"
     numbers = [2 * (i + 1) for i in range(steps)]
     if all((step_folder(run, s, "verl") / "model.safetensors").is_file() for s in numbers):
         return run
-    write_base(workdir, shape)
+    write_base(workdir, shape, dtype)
     write_planted_run(workdir / "base", run, numbers, layout="verl")
     return run
+
+
+def _suffix(dtype: str) -> str:
+    """What a run or store of `dtype` adds to its folder's name (nothing for float32, the first kind built)."""
+    return "" if dtype == "float32" else f"-{dtype}"
 
 
 def build(workdir: Path, shape: str, steps: int) -> Path:
@@ -155,8 +170,8 @@ def phase_extrapolate(store_dir: str, out: str, device: str, io: str) -> dict:
 def phase_products(store_dir: str, device: str, io: str, reads: str = "planned") -> dict:
     """The pass of `relex extrapolate` reduced to what it must compute from every stored value: the same planned
     reads (relex.fit.passes, the command's block and hold sizes), each tensor's Gram and a product W · M with two
-    rows of weights, and nothing else: the weights are fixed instead of fitted, θ₀ is not read, nothing is
-    written. What the command takes beyond it is the fit, θ₀ + W · M and the writing; its ratio to a read bounds
+    rows of weights, and nothing else: the weights are fixed instead of fitted, θ₀ is not added (on checkpoints
+    referenced in place it is still read, to be subtracted), nothing is written. What the command takes beyond it is the fit, θ₀ + W · M and the writing; its ratio to a read bounds
     the ratio the whole command can reach with these reads and kernels. `reads`: "planned" as the command plans
     them (float32 files through the page cache: by the kernels themselves), or "blocks" (every tensor read in blocks
     by the store's reader, as before stop 35), to compare the two in one run."""
@@ -349,6 +364,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each phase; medians are reported")
     parser.add_argument("--layout", default="store", choices=["store", "verl"],
                         help="store: copied float32 deltas (default); verl: a run of checkpoints, ingested in place")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES,
+                        help="verl layout: the dtype of the run's checkpoints and its base (the issue's run: float32)")
     parser.add_argument("--phase", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.phase:
@@ -433,10 +450,10 @@ def bench_verl(args) -> None:
     """Ingest + fit + extrapolate on a verl-layout run against one read of its files, from the page cache and from
     storage (the run's and the base's pages dropped before each phase)."""
     workdir = Path(args.workdir)
-    run = build_verl_run(workdir, args.shape, args.steps)
+    run = build_verl_run(workdir, args.shape, args.steps, args.dtype)
     base, store, out = workdir / "base", workdir / "store", workdir / "out"
     out_direct = workdir / "out-direct"  # the checkpoints of the pass with direct reads, checked beside `out`'s
-    copied = workdir / f"store-copied-{args.shape}-T{args.steps}"
+    copied = workdir / f"store-copied-{args.shape}-T{args.steps}{_suffix(args.dtype)}"
     copy_timed = workdir / "store-copy-timed"  # removed after each run of its phase
     if not (copied / "manifest.json").is_file():
         run_phase("ingest", str(run), str(base), str(copied), "copy")
@@ -450,6 +467,8 @@ def bench_verl(args) -> None:
         "relex ingest --verify (every value scanned)": ("ingest", str(run), str(base), str(store), "verify"),
         "relex ingest --copy (float32 deltas written)": ("ingest", str(run), str(base), str(copy_timed), "copy"),
         "fit + extrapolate to two targets": extrapolate,
+        "referenced: its reads, Gram and W · M alone (kernels)": ("products", str(store), args.device, "auto"),
+        "referenced: the same, read in blocks by the reader": ("products", str(store), args.device, "auto", "blocks"),
         "fit + extrapolate, store of copied float32 deltas": ("extrapolate", str(copied), str(out), args.device, "auto"),
         "its reads, Gram and W · M alone (no fit, θ₀ or outputs)": ("products", str(copied), args.device, "auto"),
         "the same, read in blocks by the store's reader": ("products", str(copied), args.device, "auto", "blocks"),
@@ -494,7 +513,7 @@ def bench_verl(args) -> None:
                     shutil.rmtree(phase[2], ignore_errors=True)
                 evict(run, base)
                 runs["storage", label].append(run_phase(*phase))
-    print(f"run: verl layout, {args.shape} shapes, T={args.steps} float32 checkpoints + base, {size / 1e9:.2f} GB; "
+    print(f"run: verl layout, {args.shape} shapes, T={args.steps} {args.dtype} checkpoints + base, {size / 1e9:.2f} GB; "
           f"{'unknown' if resident is None else f'{resident / size:.0%}'} of it in the page cache after the warm-up read "
           f"({'unknown' if None in kept else f'{min(kept) / size:.0%}'} after the phases on it, the least of the runs) "
           f"(the copied store, {copied_size / 1e9:.2f} GB: {'unknown' if resident_copied is None else f'{resident_copied / copied_size:.0%}'}); "
@@ -518,7 +537,8 @@ def bench_verl(args) -> None:
         read_s, ingest_s, fit_s = (medians[where, label] for label in list(from_storage)[:3])
         print(f"  (ingest + fit + extrapolate) / read, {'from the page cache' if where == 'ram' else 'from storage':<19} "
               f"{(ingest_s + fit_s) / read_s:7.2f}   (goal <= 4)")
-    read_s, ingest_s, verify_s, copy_s, fit_s, copied_s, products_s, blocks_s, read_copied_s = (medians["ram", label] for label in in_ram)
+    (read_s, ingest_s, verify_s, copy_s, fit_s, referenced_products_s, referenced_blocks_s, copied_s, products_s, blocks_s,
+     read_copied_s) = (medians["ram", label] for label in in_ram)
     print(f"  (ingest --verify + fit + extrapolate) / read, page cache  {(verify_s + fit_s) / read_s:7.2f}")
     print(f"  ingest --verify / read, page cache:                     {verify_s / read_s:7.2f}")
     print(f"  ingest --copy / read, page cache:                       {copy_s / read_s:7.2f}")
@@ -528,6 +548,8 @@ def bench_verl(args) -> None:
           "leaves for the fit, θ₀ and the outputs: none where this is over 2.5)")
     print(f"  the same read in blocks / read by the kernels:          {blocks_s / products_s:7.2f}   (what the kernels' own "
           "reads gained)")
+    print(f"  referenced: read in blocks / read by the kernels:       {referenced_blocks_s / referenced_products_s:7.2f}   "
+          f"(the same, on the {args.dtype} checkpoints referenced in place)")
     whole = {name: median(c[name] for c in commands) for name in commands[0]}
     print(f"as a user runs them, from the page cache, each process from its start to its exit (Python's start, the imports "
           f"and the exit included; runs: {_runs(sorted(sum(c.values()) for c in commands))} s):")
@@ -539,11 +561,12 @@ def bench_verl(args) -> None:
     checked = {"referenced, read by the kernels through the page cache": out, "referenced, --io direct: read in blocks": out_direct}
     for what, folder in (checked if storage else {"copied store, read by the kernels": out}).items():
         check = run_phase("check", str(run), str(base), str(folder), str(2 * last), str(5 * last))
-        print(f"results ({what}) against RELEX in float64 from the checkpoint files, each written as float32; largest "
-              f"relative error of {check['tensors']} tensors:")
+        print(f"results ({what}) against RELEX in float64 from the checkpoint files, each written as {args.dtype}; "
+              f"largest relative error of {check['tensors']} tensors:")
         for target, error in check["worst"].items():
-            print(f"  step {target}: {error:.1e}   (goal <= 1e-4: {'met' if error <= 1e-4 else 'NOT MET'}; "
-                  f"float32 itself loses up to {check['format'][target]:.1e} of the predicted update)")
+            goal = f"goal <= 1e-4: {'met' if error <= 1e-4 else 'NOT MET'}; " if args.dtype == "float32" else ""
+            print(f"  step {target}: {error:.1e}   ({goal}{args.dtype} itself loses up to {check['format'][target]:.1e} of the "
+                  "predicted update)")
 
 
 def _resident_bytes(*folders: Path) -> int | None:

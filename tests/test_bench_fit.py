@@ -75,13 +75,20 @@ def test_the_products_phase_forms_both_products_from_every_stored_value_once(ben
 
 
 @pytest.mark.slow
-def test_the_benchmark_runs_end_to_end_on_a_tiny_shape(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "fp16"])
+def test_the_benchmark_runs_end_to_end_on_a_tiny_shape(tmp_path, dtype):
     out = subprocess.run([sys.executable, str(SCRIPT), "--layout", "verl", "--shape", "tiny", "--steps", "4", "--repeats", "1",
-                          "--workdir", str(tmp_path / "bench")], check=True, capture_output=True, text=True).stdout
+                          "--dtype", dtype, "--workdir", str(tmp_path / "bench")], check=True, capture_output=True, text=True).stdout
+    assert f"T=4 {dtype} checkpoints + base" in out
     assert "(ingest + fit + extrapolate) / read, from the page cache" in out
     assert "fit + extrapolate / read, copied store, page cache" in out
     assert "its reads, Gram and W · M alone / read, copied store" in out
     assert "the same read in blocks / read by the kernels" in out
+    assert "referenced: read in blocks / read by the kernels" in out and f"on the {dtype} checkpoints" in out
     assert "as a user runs them" in out and "relex ingest" in out and "× the read" in out
     checks = [line for line in out.splitlines() if line.strip().startswith("step ")]
-    assert len(checks) == 4 and all("goal <= 1e-4: met" in line for line in checks), out  # two targets, two ways
+    assert len(checks) == 4, out  # two targets, two ways
+    if dtype == "float32":  # the issue's goal is for float32 checkpoints; fp16's own rounding is printed beside
+        assert all("goal <= 1e-4: met" in line for line in checks), out
+    else:
+        assert all("fp16 itself loses up to" in line and "goal" not in line for line in checks), out
