@@ -510,21 +510,46 @@ KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 class TensorFiles(NamedTuple):
     """Where one tensor's values lie at every step, for reads a caller makes itself (relex.fit.gram_kernel's reading
-    kernels): each step's file and the byte offset of the tensor's first value there, float32, bf16 or fp16
-    (`KERNEL_DTYPES`), read through the page cache; whether the step's values are θ_s (a checkpoint read in place:
+    kernels), through the page cache: each step's row in one or more segments, runs of values in one file (one in a
+    safetensors file, one per rank in verl's unmerged shards), each with its file and the byte offset of its first
+    value, in float32, bf16 or fp16 (`KERNEL_DTYPES`); whether the step's values are θ_s (a checkpoint read in place:
     θ₀ is subtracted) and where θ₀'s values lie, for that and for sums that add θ₀ (descriptor -1 where the
     kernels cannot read θ₀: another dtype, or no safetensors file)."""
 
     name: str
     numel: int
-    descriptors: np.ndarray  # int32, one open file per step
-    offsets: np.ndarray  # int64
+    descriptors: np.ndarray  # int32, T × K: the open file of each step's segments (-1 pads a step with fewer)
+    offsets: np.ndarray  # int64, T × K: the byte offset of each segment's first value in its file
+    bounds: np.ndarray  # int64, T × (K + 1): segment k holds the row's values bounds[s, k] .. bounds[s, k + 1] - 1
     dtypes: np.ndarray  # uint8: each step's dtype, as KERNEL_DTYPES codes it
     subtract: np.ndarray  # uint8: 1 where the step holds θ_s
     base_descriptor: int
     base_offset: int
     base_dtype: int  # θ₀'s, as KERNEL_DTYPES codes it
-    files: tuple[SafetensorsFile, ...]  # the steps' files, then θ₀'s when read: to name the one a read failed in
+    files: tuple  # each step's K segments' files (None where padded), then θ₀'s when read: to name a failed read's
+
+    @classmethod
+    def of_segments(cls, name: str, numel: int, steps: list[list[tuple[object, int, int]]], dtypes, subtract,
+                    base: tuple[object, int, int] | None) -> "TensorFiles":
+        """From each step's segments, (file, byte offset, values) in order, covering its `numel` values; `base`:
+        θ₀'s (file, byte offset, dtype code), or None. A file is anything with a `descriptor` (and `short_read`)."""
+        width = max(len(segments) for segments in steps)
+        descriptors = np.full((len(steps), width), -1, dtype=np.int32)
+        offsets = np.zeros((len(steps), width), dtype=np.int64)
+        bounds = np.full((len(steps), width + 1), numel, dtype=np.int64)
+        files: list = []
+        for s, segments in enumerate(steps):
+            bounds[s, 0], first = 0, 0
+            for k, (file, offset, values) in enumerate(segments):
+                descriptors[s, k], offsets[s, k], bounds[s, k + 1] = file.descriptor, offset, first + values
+                first += values
+            if first != numel:
+                raise ValueError(f"tensor {name}: segments of {first} values for a tensor of {numel}")
+            files += [file for file, _, _ in segments] + [None] * (width - len(segments))
+        base_file, base_offset, base_dtype = base if base is not None else (None, 0, 0)
+        return cls(name, numel, descriptors, offsets, bounds, np.asarray(dtypes, dtype=np.uint8), np.asarray(subtract, dtype=np.uint8),
+                   -1 if base_file is None else base_file.descriptor, base_offset, base_dtype,
+                   tuple(files) + (() if base_file is None else (base_file,)))
 
     def read_failed(self, status: int) -> RelexError:
         """The error for a read that came up short (`status`: 1 + the index of the file in `files`)."""
@@ -656,15 +681,9 @@ class TrajectoryReader:
     def _step_files(self, name: str) -> list[tuple[SafetensorsFile, torch.dtype]] | None:
         """The file holding tensor `name` at each step and its dtype there, when each step stores it in a safetensors
         file (else None: verl's shards); a referenced checkpoint's shape is checked here, once per tensor and reader."""
-        expected = self.infos[name].shape
         files: list | None = []
         for entry, source in zip(self.entries, self._sources):
-            info = source.info(name)
-            if entry.kind == "checkpoint" and info.shape != expected:  # checked at ingest; the folder may have changed
-                raise RelexError(
-                    f"tensor {name}: shape {info.shape} at step {entry.step}, {expected} at base "
-                    f"({self.store.checkpoint_dir(entry)} changed after ingest; ingest the run again)"
-                )
+            info = self._checked_info(name, entry, source)
             if files is not None and isinstance(source, CheckpointReader):
                 files.append((source.file_of(name), info.dtype))
             else:
@@ -681,23 +700,41 @@ class TrajectoryReader:
         return self._tensor_files[name]
 
     def _locate(self, name: str) -> TensorFiles | None:
-        files = None if self.direct else self._step_files(name)
-        if files is None or any(file.direct or dtype not in KERNEL_DTYPES for file, dtype in files):
+        if self.direct:
             return None
-        base_descriptor, base_offset, base_dtype, used = -1, 0, 0, [file for file, _ in files]
-        base = self.base.file_of(name)
-        dtype = self.base.info(name).dtype
+        steps, dtypes = [], []
+        for entry, source in zip(self.entries, self._sources):
+            dtype = self._checked_info(name, entry, source).dtype
+            if dtype not in KERNEL_DTYPES:
+                return None
+            if isinstance(source, CheckpointReader):
+                file = source.file_of(name)
+                segments = None if file.direct else [(file, file.span(name)[0], self.infos[name].numel)]
+            else:
+                segments = source.segments(name)  # verl's shards: one per rank that holds part of it, or None
+            if segments is None:
+                return None
+            steps.append(segments)
+            dtypes.append(KERNEL_DTYPES[dtype])
+        base, dtype = self.base.file_of(name), self.base.info(name).dtype
         if not base.direct and dtype in KERNEL_DTYPES:
-            base_descriptor, base_offset, base_dtype = base.descriptor, base.span(name)[0], KERNEL_DTYPES[dtype]
-            used.append(base)
+            located_base = (base, base.span(name)[0], KERNEL_DTYPES[dtype])
         elif self._subtract:
             return None
-        return TensorFiles(
-            name, self.infos[name].numel, np.array([file.descriptor for file, _ in files], dtype=np.int32),
-            np.array([file.span(name)[0] for file, _ in files], dtype=np.int64),
-            np.array([KERNEL_DTYPES[dtype] for _, dtype in files], dtype=np.uint8),
-            np.array(self._referenced, dtype=np.uint8), base_descriptor, base_offset, base_dtype, tuple(used),
-        )
+        else:
+            located_base = None
+        return TensorFiles.of_segments(name, self.infos[name].numel, steps, dtypes, self._referenced, located_base)
+
+    def _checked_info(self, name: str, entry: StepEntry, source) -> TensorInfo:
+        """Tensor `name`'s shape and dtype at one step; a referenced checkpoint's shape is checked against the base's
+        (at ingest too, but the folder may have changed since)."""
+        info, expected = source.info(name), self.infos[name].shape
+        if entry.kind == "checkpoint" and info.shape != expected:
+            raise RelexError(
+                f"tensor {name}: shape {info.shape} at step {entry.step}, {expected} at base "
+                f"({self.store.checkpoint_dir(entry)} changed after ingest; ingest the run again)"
+            )
+        return info
 
     def _read_converted(self, name: str, out: torch.Tensor, rows: tuple[int, int] | None, base: torch.Tensor | None) -> None:
         """θ_s (or Δ_s) of each step as float32 into `out`, from whatever the step stores (bf16, verl's shards);

@@ -1,6 +1,7 @@
 """The CPU Gram kernel (relex.fit.gram_kernel) against float64 products, and the torch fallback without numba."""
 
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -257,8 +258,9 @@ def test_the_reading_kernel_equals_float64_with_either_tile(tmp_path, tile, step
     path.write_bytes(b"\0" * 8 + m.tobytes())  # each step's row after an 8-byte header, one after another
     fd = os.open(path, os.O_RDONLY)
     try:
-        files = TensorFiles("m", columns, np.full(steps, fd, dtype=np.int32), 8 + 4 * columns * np.arange(steps, dtype=np.int64),
-                            np.zeros(steps, dtype=np.uint8), np.zeros(steps, dtype=np.uint8), -1, 0, 0, ())
+        file = SimpleNamespace(descriptor=fd)
+        files = TensorFiles.of_segments("m", columns, [[(file, 8 + 4 * columns * s, columns)] for s in range(steps)],
+                                        [0] * steps, [0] * steps, None)
         lower = np.zeros((steps, steps))
         assert gram_kernel.file_gram(files, lower, tile) == 0
     finally:
@@ -293,9 +295,10 @@ def test_the_reading_sums_add_theta0_and_form_their_checks(tmp_path, base_dtype,
     b = np.array([1, 0, 1], dtype=np.float32)
     fd = os.open(path, os.O_RDONLY)
     try:
-        files = TensorFiles("m", columns, np.full(steps, fd, dtype=np.int32), 4 * columns * np.arange(steps, dtype=np.int64),
-                            np.zeros(steps, dtype=np.uint8), np.full(steps, subtract, dtype=np.uint8), fd, stored.nbytes,
-                            KERNEL_DTYPES[{"float32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[base_dtype]], ())
+        file = SimpleNamespace(descriptor=fd)
+        code = KERNEL_DTYPES[{"float32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[base_dtype]]
+        files = TensorFiles.of_segments("m", columns, [[(file, 4 * columns * s, columns)] for s in range(steps)], [0] * steps,
+                                        [subtract] * steps, (file, stored.nbytes, code))
         out, checks = [], np.zeros((3, 2))
         for start, stop in [(0, 1000), (1000, columns)]:  # two blocks: less than a piece, and more than one
             out.append(np.zeros((3, stop - start), dtype=np.float32))
@@ -324,8 +327,8 @@ def test_the_reading_kernels_widen_every_2_byte_value_as_torch_does(tmp_path, dt
     path.write_bytes(b"\0" * 6 + bits.tobytes())  # at an offset that is not a multiple of 4
     fd = os.open(path, os.O_RDONLY)
     try:
-        files = TensorFiles("m", bits.size, np.array([fd], dtype=np.int32), np.array([6], dtype=np.int64),
-                            np.array([KERNEL_DTYPES[dtype]], dtype=np.uint8), np.zeros(1, dtype=np.uint8), -1, 0, 0, ())
+        files = TensorFiles.of_segments("m", bits.size, [[(SimpleNamespace(descriptor=fd), 6, bits.size)]], [KERNEL_DTYPES[dtype]],
+                                        [0], None)
         got = np.zeros((1, bits.size), dtype=np.float32)
         assert gram_kernel.file_sums(np.ones((1, 1), dtype=np.float32), files, got) == 0
     finally:
@@ -333,3 +336,41 @@ def test_the_reading_kernels_widen_every_2_byte_value_as_torch_does(tmp_path, dt
     nan = np.isnan(want)
     assert np.isnan(got[0, nan]).all() and nan.sum() == (254 if dtype == torch.bfloat16 else 2046)
     assert np.array_equal(got[0, ~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+def test_the_reading_kernels_join_a_row_from_segments_in_several_files(tmp_path):
+    """A row in segments (verl's shards: one per rank): uneven segments in two files, at offsets that are not a
+    multiple of the piece, a step with one segment beside steps with three, one bf16 step, one empty segment. The Gram
+    and W · M equal float64's; a segment cut short is named by its own file."""
+    steps, columns = 3, 3 * gram_kernel.read_piece_columns(3) + 101
+    rng = np.random.default_rng(11)
+    m = rng.standard_normal((steps, columns), dtype=np.float32)
+    m[2] = (m[2].view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)  # values bf16 holds exactly
+    cuts = [0, 1000, 1000, columns - 7, columns]  # step 0: segments of 1000, 0, the middle and 7 values
+    one, two = tmp_path / "rank0.bin", tmp_path / "rank1.bin"
+    one.write_bytes(b"\0" * 12 + m[0, :1000].tobytes() + m[0, 1000 : columns - 7].tobytes() + m[1].tobytes())
+    two.write_bytes(b"\0" * 4 + m[0, columns - 7 :].tobytes() + (m[2].view(np.uint32) >> np.uint32(16)).astype(np.uint16).tobytes())
+    fds = [os.open(path, os.O_RDONLY) for path in (one, two)]
+    try:
+        first, second = (SimpleNamespace(descriptor=fd, short_read=lambda name, path=path: RuntimeError(f"{path}: short"))
+                         for fd, path in zip(fds, (one, two)))
+        segments = [
+            [(first, 12, cuts[1]), (second, 0, 0), (first, 12 + 4 * 1000, cuts[3] - cuts[2]), (second, 4, columns - cuts[3])],
+            [(first, 12 + 4 * (columns - 7), columns)],
+            [(second, 4 + 28, columns)],
+        ]
+        files = TensorFiles.of_segments("m", columns, segments, [0, 0, 1], [0, 0, 0], None)
+        assert files.descriptors.shape == (3, 4) and list(files.bounds[1]) == [0, columns, columns, columns, columns]
+        lower = np.zeros((steps, steps))
+        assert gram_kernel.file_gram(files, lower) == 0
+        w = rng.standard_normal((2, steps), dtype=np.float32)
+        out = np.zeros((2, columns), dtype=np.float32)
+        assert gram_kernel.file_sums(w, files, out) == 0
+        os.truncate(two, 4 + 28 + 2 * columns - 2)  # step 2's row, the last segment in rank1.bin, loses its last value
+        status = gram_kernel.file_gram(files, np.zeros((steps, steps)))
+        assert str(files.read_failed(status)) == f"{two}: short"
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert relative_error(gram_module.symmetric(lower), reference(m)) < 1e-6
+    assert np.abs(out - w.astype(np.float64) @ m.astype(np.float64)).max() < 1e-4

@@ -329,10 +329,10 @@ def test_a_file_cut_short_while_the_kernels_read_it_is_named(store, use, cut):
     plan = plan_pass(reader, names, grams=names if use == "gram" else (), sums=names if use == "sums" else (), in_kernel=True)
     assert all(t.in_kernel for t in plan.tensors)
     files = reader.tensor_files(names[0])
-    which = 0 if cut == "step" else len(files.descriptors)  # θ₀'s file comes after the steps'
+    which = 0 if cut == "step" else files.descriptors.size  # θ₀'s file comes after the steps' (one segment each)
     assert files.subtract.all() and files.base_descriptor >= 0  # a referenced run: every step is θ_s
     path = files.files[which].path
-    os.truncate(path, int(files.offsets[0] if cut == "step" else files.base_offset))
+    os.truncate(path, int(files.offsets[0, 0] if cut == "step" else files.base_offset))
     with pytest.raises(RelexError, match="short read of tensor") as error:
         run_pass(reader, plan, [Recorder(np.ones((1, len(STEPS))))], GRAM)
     assert str(path) in str(error.value) and "\n" not in str(error.value)

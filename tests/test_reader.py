@@ -144,8 +144,8 @@ def test_a_reader_works_out_where_a_tensor_lies_once(store, monkeypatch):
     reader = store.reader()
     name = store.trajectory_names[0]
     looked_up = []
-    real = reader._step_files
-    monkeypatch.setattr(reader, "_step_files", lambda n: looked_up.append(n) or real(n))
+    real = reader._locate
+    monkeypatch.setattr(reader, "_locate", lambda n: looked_up.append(n) or real(n))
     first = reader.tensor_files(name)
     assert first is not None and reader.tensor_files(name) is first and looked_up == [name]
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -180,3 +181,36 @@ def test_a_weight_the_base_lacks_is_still_refused_when_it_shares_nothing(tied_ru
     assert VerlShardReader(actor).shared() == []
     assert cli("ingest", actor, "--steps", "3", "--base", base, "--out", tmp_path / "store") == 2
     assert capsys.readouterr().err.strip().endswith("tensor lm_head.weight is not in the base checkpoint")
+
+
+def test_the_kernels_read_the_shards_in_place_and_name_one_cut_short(runs, tmp_path):
+    """Each rank's part of a tensor split along its rows is one segment of its row for the reading kernels (the
+    shards' own bytes, read at their offsets in the `.pt` files), so a pass over shards reads as one over merged
+    safetensors does (the Grams are the same bits: test_ingested_shards_equal_the_merged_run); a shard cut short
+    after the pass opened it fails in one line naming that file."""
+    from relex.fit.gram import file_gram
+    from relex.fit.passes import plan_pass
+
+    base, merged, sharded = runs
+    assert cli("ingest", sharded, "--base", base, "--out", tmp_path / "store") == 0
+    store = TrajectoryStore.open(tmp_path / "store")
+    reader, names = store.reader(), store.trajectory_names
+    assert all(t.in_kernel for t in plan_pass(reader, names, grams=names, sums=names).tensors)
+    name = "model.layers.1.mlp.up_proj.weight"
+    files = reader.tensor_files(name)
+    assert files.descriptors.shape == (len(VERL_STEPS), 2)  # two ranks: two segments a step
+    merged_store = tmp_path / "merged"
+    assert cli("ingest", merged, "--base", base, "--out", merged_store) == 0
+    expected = TrajectoryStore.open(merged_store).reader()
+    assert np.array_equal(file_gram(files), file_gram(expected.tensor_files(name)))
+    shard = sharded / f"global_step_{VERL_STEPS[1]}" / "actor" / "model_world_size_2_rank_1.pt"
+    copy = tmp_path / "kept.pt"
+    shutil.copy(shard, copy)
+    try:
+        os.truncate(shard, files.offsets[1, 1] + 8)  # rank 1's part of step 7 keeps 2 values
+        with pytest.raises(RelexError, match="short read of tensor model.layers.1.mlp.up_proj.weight") as error:
+            file_gram(files)
+        named = str(error.value).split(": ")[0]
+        assert Path(named).resolve() == shard.resolve() and "\n" not in str(error.value)
+    finally:
+        shutil.copy(copy, shard)

@@ -200,8 +200,7 @@ def _reading_kernel():
     try:
         fd = os.open(os.devnull, os.O_RDONLY)
         try:
-            files = TensorFiles("trial", 3, np.array([fd], dtype=np.int32), np.zeros(1, dtype=np.int64),
-                                np.zeros(1, dtype=np.uint8), np.zeros(1, dtype=np.uint8), -1, 0, 0, ())
+            files = TensorFiles.of_segments("trial", 3, [[(SimpleNamespace(descriptor=fd), 0, 3)]], [0], [0], None)
             found = (kernel.file_gram(files, np.zeros((1, 1))), kernel.file_sums(np.ones((2, 1), dtype=np.float32), files, np.zeros((2, 3), dtype=np.float32)))
         finally:
             os.close(fd)

@@ -234,13 +234,15 @@ def weighted_sums(w: np.ndarray, matrix: np.ndarray, out: np.ndarray, start: int
 # The kernels below read the values themselves, a piece of every step's row at a time, straight from the files
 # (pread from the page cache), and form the Gram or W · M of that piece while it is in L2. The pieces go to no
 # memory beyond the core's cache: a pass over a buffer the size of a trajectory writes it to memory and reads it
-# back once per product, which is what bounded it (docs/performance.md, stop 35). A tensor's T rows are at
-# `fds` and `offsets` (one descriptor and byte offset per step), in the dtype each step's code in `dtypes` names
+# back once per product, which is what bounded it (docs/performance.md, stop 35). A tensor's row at step s lies in
+# one or more runs of values (segments: one for a safetensors file, one per rank for verl's unmerged shards):
+# segment k holds the row's values bounds[s, k]..bounds[s, k + 1] - 1, from byte offsets[s, k] of file fds[s, k]
+# (an empty segment pads a step that has fewer), in the dtype the step's code in `dtypes` names
 # (relex.store.KERNEL_DTYPES: 0 float32, 1 bf16, 2 fp16; the 2-byte ones widened to float32 as read, which loses
 # nothing: a bf16 value is the top half of a float32's bits, and every fp16 value is a float32 value). `subtract`
 # marks the steps whose row is θ_s (a checkpoint read in place), from which θ₀ (at `base_fd`, `base_offset`, in the
-# dtype `base_dtype` codes) is subtracted as it is read. A kernel returns 0, or 1 + the step whose read came up short
-# (steps + 1: θ₀'s), so that the caller names the file. `pread` is libc's, declared by name (resolved in the
+# dtype `base_dtype` codes) is subtracted as it is read. A kernel returns 0, or 1 + the segment whose read came up
+# short, counted step by step (s · K + k for K segments a step; T · K: θ₀'s), so that the caller names the file. `pread` is libc's, declared by name (resolved in the
 # process, so the compiled kernels are cached); its buffer argument is passed as an address (uintp), as a pointer
 # is passed on every 64-bit ABI numba targets.
 _pread = numba.types.ExternalFunction("pread", numba.types.intp(numba.types.int32, numba.types.uintp, numba.types.uintp, numba.types.int64))
@@ -283,16 +285,20 @@ def _read_row(fd, offset, dtype, start, width, row, half):  # pragma: no cover -
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _read_piece(fds, offsets, dtypes, subtract, base_fd, base_offset, base_dtype, start, width, rows, base_row, half):  # pragma: no cover - compiled
+def _read_piece(fds, offsets, bounds, dtypes, subtract, base_fd, base_offset, base_dtype, start, width, rows, base_row, half):  # pragma: no cover - compiled
     """Columns start..start+width of every step's row into rows[:, :width] (θ₀ subtracted where marked): 0, or
     the status above. `half`: room for one row of 2-byte values."""
-    steps = fds.shape[0]
+    steps, segments = fds.shape
+    stop = start + width
     if base_fd >= 0 and not _read_row(base_fd, base_offset, base_dtype, start, width, base_row, half):
-        return steps + 1
+        return steps * segments + 1
     for s in range(steps):
         row = rows[s]
-        if not _read_row(fds[s], offsets[s], dtypes[s], start, width, row, half):
-            return s + 1
+        for k in range(segments):
+            first, last = max(start, bounds[s, k]), min(stop, bounds[s, k + 1])
+            if first < last and not _read_row(fds[s, k], offsets[s, k], dtypes[s], first - bounds[s, k], last - first,
+                                              row[first - start :], half):
+                return s * segments + k + 1
         if subtract[s]:
             for k in range(width):
                 row[k] -= base_row[k]
@@ -300,14 +306,14 @@ def _read_piece(fds, offsets, dtypes, subtract, base_fd, base_offset, base_dtype
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _file_lower(fds, offsets, dtypes, subtract, base_fd, base_offset, base_dtype, n, piece, tile, gram):  # pragma: no cover - compiled
+def _file_lower(fds, offsets, bounds, dtypes, subtract, base_fd, base_offset, base_dtype, n, piece, tile, gram):  # pragma: no cover - compiled
     """gram[i, j] += ⟨m_i, m_j⟩ (j ≤ i) over all n columns, read `piece` columns at a time: on each, `_lower` (tile
     4) or `_lower3` (tile 3)."""
     steps = fds.shape[0]
     rows, base_row, half = np.empty((steps, piece), np.float32), np.empty(piece, np.float32), np.empty(piece, np.uint16)
     for start in range(0, n, piece):
         width = min(piece, n - start)
-        status = _read_piece(fds, offsets, dtypes, subtract, base_fd, base_offset, base_dtype, start, width, rows, base_row, half)
+        status = _read_piece(fds, offsets, bounds, dtypes, subtract, base_fd, base_offset, base_dtype, start, width, rows, base_row, half)
         if status:
             return status
         if tile == 4:
@@ -337,7 +343,7 @@ def _add_base(b, base_row, out, start, width, checks):  # pragma: no cover - com
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _file_sums(w, b, fds, offsets, dtypes, subtract, base_fd, base_offset, base_dtype, start, stop, piece, out, checks):  # pragma: no cover - compiled
+def _file_sums(w, b, fds, offsets, bounds, dtypes, subtract, base_fd, base_offset, base_dtype, start, stop, piece, out, checks):  # pragma: no cover - compiled
     """out[:, c - start] = Σ_s w[:, s] m[s, c] for columns start..stop, read `piece` columns at a time: `_sums` on
     each (out: R × (stop − start) float32); then, where `b` has a weight per row of W, θ₀ · b added and `checks`
     (`_add_base`) with θ₀'s piece read beside the steps' (an empty `b`: none)."""
@@ -345,7 +351,7 @@ def _file_sums(w, b, fds, offsets, dtypes, subtract, base_fd, base_offset, base_
     rows, base_row, half = np.empty((steps, piece), np.float32), np.empty(piece, np.float32), np.empty(piece, np.uint16)
     for k0 in range(start, stop, piece):
         width = min(piece, stop - k0)
-        status = _read_piece(fds, offsets, dtypes, subtract, base_fd, base_offset, base_dtype, k0, width, rows, base_row, half)
+        status = _read_piece(fds, offsets, bounds, dtypes, subtract, base_fd, base_offset, base_dtype, k0, width, rows, base_row, half)
         if status:
             return status
         _sums(w, rows, out[:, k0 - start : k0 - start + width], 0, width, SUM_PIECE)
@@ -365,8 +371,8 @@ def read_piece_columns(steps: int, tile: int | None = None) -> int:
 def _located(files, base: bool = False) -> tuple:
     """A relex.store.TensorFiles as the kernels take it: θ₀ is read where a step subtracts it, or with `base`."""
     reads_base = base or bool(files.subtract.any())
-    return (files.descriptors, files.offsets, files.dtypes, files.subtract, files.base_descriptor if reads_base else -1,
-            files.base_offset, files.base_dtype)
+    return (files.descriptors, files.offsets, files.bounds, files.dtypes, files.subtract,
+            files.base_descriptor if reads_base else -1, files.base_offset, files.base_dtype)
 
 
 def file_gram(files, gram: np.ndarray, tile: int | None = None) -> int:

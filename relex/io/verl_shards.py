@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -92,6 +93,51 @@ def _quiet(logger_name: str):
         logger.setLevel(level)
 
 
+class ShardFile:
+    """One rank's `.pt` file, open for reads a caller makes itself (relex.store.TensorFiles): its plain
+    descriptor, and the error for a read that found fewer bytes than the file held when it was opened."""
+
+    direct = False
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.descriptor = os.open(path, os.O_RDONLY)
+
+    def short_read(self, name: str) -> RelexError:
+        return RelexError(f"{self.path}: truncated or rewritten since it was opened (short read of tensor {name})")
+
+    def close(self) -> None:
+        if self.descriptor >= 0:
+            os.close(self.descriptor)
+            self.descriptor = -1
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing left to release
+            pass
+
+
+def _record_base(path: Path, storages: list[int]) -> int | None:
+    """Where `torch.load(mmap=True)` mapped `path`: the address of its byte 0, found from the data pointers of
+    the storages it loaded (`storages`), each at the offset of its record in the zip file (torch's own reader
+    gives the offsets; `torch.save` writes every storage as one stored, uncompressed record). None unless exactly
+    one address puts every storage at a record's offset."""
+    if not storages:
+        return None
+    try:
+        records = torch._C.PyTorchFileReader(str(path))
+        offsets = {records.get_record_offset(name) for name in records.get_all_records() if "data/" in name}
+    except (AttributeError, RuntimeError):  # a torch without this reader, or not a zip file
+        return None
+    first, found = min(storages), set()
+    for offset in offsets:
+        base = first - offset
+        if all(pointer - base in offsets for pointer in storages):
+            found.add(base)
+    return found.pop() if len(found) == 1 else None
+
+
 class VerlShardReader:
     """Reads named tensors (or row ranges of them) from verl's per-rank `.pt` shards; the CheckpointReader interface."""
 
@@ -102,6 +148,7 @@ class VerlShardReader:
             raise RelexError(f"{self.folder}: no model_world_size_W_rank_R.pt files")
         self.files = {path.name: path for path in self.paths}  # what a store's size counts
         self._states: list[dict[str, torch.Tensor]] | None = None
+        self._opened: list[tuple[ShardFile, int | None]] | None = None  # per rank: its file and mapped address
 
     def _load(self) -> list[dict[str, torch.Tensor]]:
         """Every rank's state dict (memory-mapped, loaded on first use), checked to name the same tensors."""
@@ -147,6 +194,44 @@ class VerlShardReader:
             else:
                 groups.setdefault((tuple(where), self._shard_dim(name, parts[0])), set()).add(name)
         return [names for names in groups.values() if len(names) > 1]
+
+    def segments(self, name: str) -> list[tuple[ShardFile, int, int]] | None:
+        """Where tensor `name`'s values lie in the rank files, for a caller that reads them itself (relex.store.
+        TensorFiles): (file, byte offset, values) for each rank's part in order, for a tensor split along its rows
+        (`Shard(0)`), or rank 0's part for one every rank holds whole; None where the parts are not runs of the
+        whole's values in order (a split along another dimension, a part that is not contiguous) or where a
+        file's layout cannot be told (`_record_base`)."""
+        parts = self._parts(name)
+        dim = self._shard_dim(name, parts[0])
+        if dim not in (None, 0) or len(parts[0].shape) == 0:
+            return None
+        locals_ = [part.to_local() if hasattr(part, "to_local") else part for part in parts]
+        if dim is None:
+            locals_ = locals_[:1]
+        opened = self._open_files()
+        segments = []
+        for (file, base), local in zip(opened, locals_):
+            if local.numel() == 0:
+                continue
+            if base is None or not local.is_contiguous() or local.dtype != locals_[0].dtype:
+                return None
+            offset = local.untyped_storage().data_ptr() - base + local.storage_offset() * local.element_size()
+            segments.append((file, offset, local.numel()))
+        return segments
+
+    def _open_files(self) -> list[tuple[ShardFile, int | None]]:
+        """Each rank's file, opened for reads, and where torch mapped it (None: unknown, so read in blocks)."""
+        if self._opened is None:
+            opened = []
+            for path, state in zip(self.paths, self._load()):
+                pointers = set()
+                for value in state.values():
+                    local = value.to_local() if hasattr(value, "to_local") else value
+                    if local.numel():
+                        pointers.add(local.untyped_storage().data_ptr())
+                opened.append((ShardFile(path), _record_base(path, sorted(pointers))))
+            self._opened = opened
+        return self._opened
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor `name`, assembled from the ranks' parts; with `rows=(a, b)`, only rows a..b-1."""
@@ -195,4 +280,6 @@ class VerlShardReader:
         self.close()
 
     def close(self) -> None:
-        self._states = None
+        for file, _ in self._opened or ():
+            file.close()
+        self._states, self._opened = None, None
