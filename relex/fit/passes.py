@@ -165,16 +165,18 @@ def plan_pass(
     """The reads of `names` (in this order) for the Gram of those in `grams` and weighted sums of those in `sums`.
 
     On the CPU, a tensor that every step (and θ₀, where subtracted) stores in float32, bf16 or fp16 in a safetensors
-    file read through the page cache (`TrajectoryReader.tensor_files`) is read by the kernels themselves (`in_kernel`,
-    default: wherever they run, relex.fit.gram.reads_files): a piece of every step's row at a time, into the core's
-    cache, once for its Gram and once for its sums, so none of the blocks, buffers or holding below apply to it; its
-    sums are formed and handed over in row blocks of at most `chunk_elements`, and at least one per kernel thread
-    where the tensor is large enough (`kernel_block`). Measured on the SmolLM2 store (T = 20, 10.8 GB, page cache, alternating
-    with the blocks below): `relex extrapolate` to two targets took 2.41-2.75 s against 3.39-3.71 s on copied
-    float32 deltas, 2.56-3.24 s against 3.48-4.78 s on float32 checkpoints referenced in place, 3.01-3.56 s
-    against 5.10-7.64 s on bf16 ones (4 runs each; docs/performance.md, stop 35), and 5.61-6.63 s against 8.86-10.77
-    s on fp16 ones (stop 38, on another machine). The others (verl's shards, `--io direct`, a GPU) are read in blocks
-    by the store's reader, as follows.
+    file, or in verl's unmerged shards split along its rows, read through the page cache
+    (`TrajectoryReader.tensor_files`) is read by the kernels themselves (`in_kernel`, default: wherever they run,
+    relex.fit.gram.reads_files): a piece of every step's row at a time, into the core's cache, once for its Gram and
+    once for its sums, so none of the blocks, buffers or holding below apply to it; its sums are formed and handed
+    over in row blocks of at most `chunk_elements`, and at least one per kernel thread where the tensor is large
+    enough (`kernel_block`). Measured on the SmolLM2 store (T = 20, 10.8 GB, page cache, alternating with the blocks
+    below): `relex extrapolate` to two targets took 2.41-2.75 s against 3.39-3.71 s on copied float32 deltas,
+    2.56-3.24 s against 3.48-4.78 s on float32 checkpoints referenced in place, 3.01-3.56 s against 5.10-7.64 s on
+    bf16 ones (4 runs each; docs/performance.md, stop 35); and, on another machine, 5.61-6.63 s against 8.86-10.77 s
+    on fp16 ones, and 4.13-4.95 s against 7.01-8.09 s on 6 steps of it as 2-rank FSDP2 shards (stop 38). The others
+    (shards split along another dimension, `--io direct`, a GPU) are read in blocks by the store's reader, as
+    follows.
 
     Blocks are at most `chunk_elements` values, and a trajectory read whole for both uses at most `hold_elements`,
     both capped so that MIN_BUFFERS buffers fit in `buffer_bytes` and, on a GPU, so that a block's copies there
