@@ -214,3 +214,20 @@ def test_the_kernels_read_the_shards_in_place_and_name_one_cut_short(runs, tmp_p
         assert Path(named).resolve() == shard.resolve() and "\n" not in str(error.value)
     finally:
         shutil.copy(copy, shard)
+
+
+def test_a_parts_segment_starts_where_its_values_do_in_the_file(tmp_path):
+    """A part that is a view into a larger storage (`torch.save` writes the whole storage) starts at its own first
+    value; a part that is not contiguous has no segment (read in blocks)."""
+    actor = tmp_path / "actor"
+    actor.mkdir()
+    big = torch.arange(40, dtype=torch.float32).reshape(8, 5)
+    torch.save({"rows": big[2:5], "columns": big[:, 1:], "other": torch.ones(3)}, actor / "model_world_size_1_rank_0.pt")
+    reader = VerlShardReader(actor)
+    [(file, offset, values)] = reader.segments("rows")
+    assert values == 15 and os.pread(file.descriptor, 4 * values, offset) == big[2:5].numpy().tobytes()
+    assert reader.segments("columns") is None
+    [(_, offset, _)] = reader.segments("other")
+    assert os.pread(file.descriptor, 12, offset) == torch.ones(3).numpy().tobytes()
+    reader.close()
+    assert file.descriptor == -1

@@ -118,22 +118,26 @@ class ShardFile:
             pass
 
 
-def _record_base(path: Path, storages: list[int]) -> int | None:
-    """Where `torch.load(mmap=True)` mapped `path`: the address of its byte 0, found from the data pointers of
-    the storages it loaded (`storages`), each at the offset of its record in the zip file (torch's own reader
-    gives the offsets; `torch.save` writes every storage as one stored, uncompressed record). None unless exactly
-    one address puts every storage at a record's offset."""
+_STORAGE_RECORD = re.compile(r"(?:^|/)data/\d+")  # the zip records `torch.save` writes a storage's bytes in
+
+
+def _record_base(path: Path, storages: dict[int, int]) -> int | None:
+    """Where `torch.load(mmap=True)` mapped `path`: the address of its byte 0, found from the storages it loaded
+    (`storages`: data pointer -> bytes), each at the offset of its own record in the zip file (torch's reader gives
+    every record's offset and size; `torch.save` writes each storage as one stored, uncompressed record). None
+    unless exactly one address puts every storage at a record of its size."""
     if not storages:
         return None
     try:
-        records = torch._C.PyTorchFileReader(str(path))
-        offsets = {records.get_record_offset(name) for name in records.get_all_records() if "data/" in name}
+        reader = torch._C.PyTorchFileReader(str(path))
+        records = {reader.get_record_offset(name): reader.get_record_size(name)
+                   for name in reader.get_all_records() if _STORAGE_RECORD.fullmatch(name)}
     except (AttributeError, RuntimeError):  # a torch without this reader, or not a zip file
         return None
     first, found = min(storages), set()
-    for offset in offsets:
+    for offset in records:
         base = first - offset
-        if all(pointer - base in offsets for pointer in storages):
+        if all(records.get(pointer - base) == size for pointer, size in storages.items()):
             found.add(base)
     return found.pop() if len(found) == 1 else None
 
@@ -217,6 +221,8 @@ class VerlShardReader:
                 return None
             offset = local.untyped_storage().data_ptr() - base + local.storage_offset() * local.element_size()
             segments.append((file, offset, local.numel()))
+        if sum(values for _, _, values in segments) != parts[0].numel():  # padded parts, say: read in blocks
+            return None
         return segments
 
     def _open_files(self) -> list[tuple[ShardFile, int | None]]:
@@ -224,12 +230,13 @@ class VerlShardReader:
         if self._opened is None:
             opened = []
             for path, state in zip(self.paths, self._load()):
-                pointers = set()
+                storages = {}
                 for value in state.values():
                     local = value.to_local() if hasattr(value, "to_local") else value
                     if local.numel():
-                        pointers.add(local.untyped_storage().data_ptr())
-                opened.append((ShardFile(path), _record_base(path, sorted(pointers))))
+                        storage = local.untyped_storage()
+                        storages[storage.data_ptr()] = storage.nbytes()
+                opened.append((ShardFile(path), _record_base(path, storages)))
             self._opened = opened
         return self._opened
 
