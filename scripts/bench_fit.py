@@ -79,6 +79,8 @@ def write_base(workdir: Path, shape: str, dtype: str = "float32"):
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from relex.io.dtypes import parse_dtype
+
     shutil.rmtree(workdir, ignore_errors=True)
     base = workdir / "base"
     base.mkdir(parents=True)
@@ -88,7 +90,7 @@ def write_base(workdir: Path, shape: str, dtype: str = "float32"):
     with torch.device("meta"):
         names = {n: tuple(p.shape) for n, p in LlamaForCausalLM(config).named_parameters()}
     gen = torch.Generator().manual_seed(0)
-    kind = {"float32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    kind = parse_dtype(dtype)
     save_file({n: (torch.randn(s, generator=gen) * 0.02).to(kind) for n, s in names.items()}, str(base / "model.safetensors"),
               metadata={"format": "pt"})
     return names, gen
@@ -171,8 +173,9 @@ def phase_products(store_dir: str, device: str, io: str, reads: str = "planned")
     """The pass of `relex extrapolate` reduced to what it must compute from every stored value: the same planned
     reads (relex.fit.passes, the command's block and hold sizes), each tensor's Gram and a product W · M with two
     rows of weights, and nothing else: the weights are fixed instead of fitted, θ₀ is not added (on checkpoints
-    referenced in place it is still read, to be subtracted), nothing is written. What the command takes beyond it is the fit, θ₀ + W · M and the writing; its ratio to a read bounds
-    the ratio the whole command can reach with these reads and kernels. `reads`: "planned" as the command plans
+    referenced in place it is still read, to be subtracted), nothing is written. What the command takes beyond it
+    is the fit, θ₀ + W · M and the writing; its ratio to a read bounds the ratio the whole command can reach with
+    these reads and kernels. `reads`: "planned" as the command plans
     them (float32 files through the page cache: by the kernels themselves), or "blocks" (every tensor read in blocks
     by the store's reader, as before stop 35), to compare the two in one run."""
     import numpy as np

@@ -10,6 +10,7 @@ import torch
 from relex.fit import gram as gram_module
 from relex.fit import gram_kernel
 from relex.fit.gram import chunk_gram, cpu_gram
+from relex.io.dtypes import parse_dtype
 from relex.store import KERNEL_DTYPES, TensorFiles
 
 CPU = torch.device("cpu")
@@ -296,7 +297,7 @@ def test_the_reading_sums_add_theta0_and_form_their_checks(tmp_path, base_dtype,
     fd = os.open(path, os.O_RDONLY)
     try:
         file = SimpleNamespace(descriptor=fd)
-        code = KERNEL_DTYPES[{"float32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[base_dtype]]
+        code = KERNEL_DTYPES[parse_dtype(base_dtype)]
         files = TensorFiles.of_segments("m", columns, [[(file, 4 * columns * s, columns)] for s in range(steps)], [0] * steps,
                                         [subtract] * steps, (file, stored.nbytes, code))
         out, checks = [], np.zeros((3, 2))

@@ -15,6 +15,7 @@ from relex.errors import RelexError
 from relex.fit.gram import GRAM
 from relex.fit.passes import KEEP_REUSE, Consumer, PassBudget, ProductBuffers, TrajectoryPass, plan_pass, run_pass
 from relex.io.checkpoint import CheckpointReader
+from relex.io.dtypes import parse_dtype
 from relex.store import KERNEL_DTYPES, TrajectoryStore
 from relex.synthetic import write_planted_run
 from tests.conftest import STEPS, cli, make_base
@@ -352,7 +353,7 @@ def test_the_kernels_read_safetensors_files_through_the_page_cache_only(store):
 def test_the_kernels_and_the_blocks_give_the_same_products(planted, store, tmp_path, kind):
     """bf16 and fp16 values (deltas stored in them, or such checkpoints and base referenced in place) are widened to
     float32 as the kernels read them; either way the Grams and sums equal the blocks' and a float64 computation."""
-    dtype = {"float32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[kind.split()[0]]
+    dtype = parse_dtype(kind.split()[0])
     if kind.endswith("copied"):
         base, run, _ = planted
         assert cli("ingest", run, "--base", base, "--out", tmp_path / "halves", "--copy", "--delta-dtype", kind.split()[0]) == 0

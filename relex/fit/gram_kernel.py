@@ -242,9 +242,9 @@ def weighted_sums(w: np.ndarray, matrix: np.ndarray, out: np.ndarray, start: int
 # nothing: a bf16 value is the top half of a float32's bits, and every fp16 value is a float32 value). `subtract`
 # marks the steps whose row is θ_s (a checkpoint read in place), from which θ₀ (at `base_fd`, `base_offset`, in the
 # dtype `base_dtype` codes) is subtracted as it is read. A kernel returns 0, or 1 + the segment whose read came up
-# short, counted step by step (s · K + k for K segments a step; T · K: θ₀'s), so that the caller names the file. `pread` is libc's, declared by name (resolved in the
-# process, so the compiled kernels are cached); its buffer argument is passed as an address (uintp), as a pointer
-# is passed on every 64-bit ABI numba targets.
+# short, counted step by step (s · K + k for K segments a step; T · K: θ₀'s), so that the caller names the file.
+# `pread` is libc's, declared by name (resolved in the process, so the compiled kernels are cached); its buffer
+# argument is passed as an address (uintp), as a pointer is passed on every 64-bit ABI numba targets.
 _pread = numba.types.ExternalFunction("pread", numba.types.intp(numba.types.int32, numba.types.uintp, numba.types.uintp, numba.types.int64))
 
 

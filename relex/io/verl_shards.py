@@ -93,6 +93,11 @@ def _quiet(logger_name: str):
         logger.setLevel(level)
 
 
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """A rank's own part of a tensor in its shard: a DTensor's local tensor, or a plain tensor itself."""
+    return value.to_local() if hasattr(value, "to_local") else value
+
+
 class ShardFile:
     """One rank's `.pt` file, open for reads a caller makes itself (relex.store.TensorFiles): its plain
     descriptor, and the error for a read that found fewer bytes than the file held when it was opened."""
@@ -191,7 +196,7 @@ class VerlShardReader:
             parts = self._parts(name)
             where = []
             for part in parts:
-                local = part.to_local() if hasattr(part, "to_local") else part
+                local = _local(part)
                 if local.numel() == 0:
                     break
                 where.append((local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), local.stride(), local.dtype))
@@ -209,7 +214,7 @@ class VerlShardReader:
         dim = self._shard_dim(name, parts[0])
         if dim not in (None, 0) or len(parts[0].shape) == 0:
             return None
-        locals_ = [part.to_local() if hasattr(part, "to_local") else part for part in parts]
+        locals_ = [_local(part) for part in parts]
         if dim is None:
             locals_ = locals_[:1]
         opened = self._open_files()
@@ -232,7 +237,7 @@ class VerlShardReader:
             for path, state in zip(self.paths, self._load()):
                 storages = {}
                 for value in state.values():
-                    local = value.to_local() if hasattr(value, "to_local") else value
+                    local = _local(value)
                     if local.numel():
                         storage = local.untyped_storage()
                         storages[storage.data_ptr()] = storage.nbytes()
@@ -244,7 +249,7 @@ class VerlShardReader:
         """The tensor `name`, assembled from the ranks' parts; with `rows=(a, b)`, only rows a..b-1."""
         parts = self._parts(name)
         dim = self._shard_dim(name, parts[0])
-        locals_ = [part.to_local() if hasattr(part, "to_local") else part for part in parts]
+        locals_ = [_local(part) for part in parts]
         if dim is None:
             whole = locals_[0]
             return (whole if rows is None else whole[rows[0] : rows[1]]).clone()
