@@ -1,13 +1,18 @@
 """Planted trajectories: checkpoints whose deltas have a known rank-1 direction and linear coefficient.
 
 θ_s = θ₀ + (a·s + b)·v + noise, per float tensor, with a unit direction v and noise of a chosen relative size.
-Used by the tests (the fit must recover v) and by `scripts/bench_fit.py`.
+Used by the tests (the fit must recover v) and by `scripts/bench_fit.py`; `write_sharded_run` saves such a run as
+verl's unmerged FSDP2 shards (the tests of relex.io.verl_shards, `scripts/bench_shards.py`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,3 +118,46 @@ def _write_checkpoint(folder: Path, tensors: dict[str, torch.Tensor], shards: in
             weight_map[n] = file
             total += tensors[n].numel() * tensors[n].element_size()
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+
+
+# torchrun script: each rank shards the merged checkpoint of every step with FSDP2 (`fully_shard` on each decoder
+# layer, then the model) and saves its `state_dict()` of DTensors, as verl's FSDP2 checkpoints hold them
+_SHARD_SCRIPT = '''
+import shutil, sys
+from pathlib import Path
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForCausalLM
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+merged_run, sharded_run, steps = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3].split(",")
+for step in steps:
+    model = AutoModelForCausalLM.from_pretrained(merged_run / f"global_step_{step}" / "actor" / "huggingface")
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    actor = sharded_run / f"global_step_{step}" / "actor"
+    (actor / "huggingface").mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), actor / f"model_world_size_{world}_rank_{rank}.pt")
+    if rank == 0:
+        shutil.copy(merged_run / f"global_step_{step}" / "actor" / "huggingface" / "config.json", actor / "huggingface")
+    dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+def write_sharded_run(merged_run: str | Path, sharded_run: str | Path, steps: list[int], ranks: int = 2,
+                      timeout: float = 600) -> Path:
+    """The verl run `merged_run` (merged checkpoints, `write_planted_run(layout="verl")`) saved again as `ranks`
+    CPU ranks' FSDP2 shards under `sharded_run` (`global_step_N/actor/model_world_size_W_rank_R.pt`), by torchrun
+    with gloo."""
+    with tempfile.TemporaryDirectory() as scratch:
+        script = Path(scratch) / "shard.py"
+        script.write_text(_SHARD_SCRIPT)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(script),
+                   str(merged_run), str(sharded_run), ",".join(map(str, steps))]
+        done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"sharding {merged_run} failed:\n{done.stderr[-3000:]}")
+    return Path(sharded_run)

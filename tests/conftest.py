@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,16 @@ def make_base(folder: Path, *, tied: bool = True, dtype: torch.dtype = torch.flo
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
     return folder
+
+
+class Payload:
+    """What a hostile pickle would run if it were unpickled freely: `touch marker`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
 
 
 @pytest.fixture

@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,47 +19,17 @@ import torch
 from relex.errors import RelexError
 from relex.io.verl_shards import VerlShardReader, open_checkpoint
 from relex.store import TrajectoryStore
-from relex.synthetic import step_folder, write_planted_run
-from tests.conftest import cli, make_base
+from relex.synthetic import step_folder, write_planted_run, write_sharded_run
+from tests.conftest import Payload, cli, make_base
 
 VERL_STEPS = [3, 7, 12]
-
-# torchrun script: each rank shards the merged checkpoint of every step with FSDP2 and saves its state dict
-SHARD = '''
-import shutil, sys
-from pathlib import Path
-import torch, torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
-from transformers import LlamaForCausalLM
-
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-merged_run, sharded_run, steps = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3].split(",")
-for step in steps:
-    model = LlamaForCausalLM.from_pretrained(merged_run / f"global_step_{step}" / "actor" / "huggingface")
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    actor = sharded_run / f"global_step_{step}" / "actor"
-    (actor / "huggingface").mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), actor / f"model_world_size_{world}_rank_{rank}.pt")
-    if rank == 0:
-        shutil.copy(merged_run / f"global_step_{step}" / "actor" / "huggingface" / "config.json", actor / "huggingface")
-    dist.barrier()
-dist.destroy_process_group()
-'''
 
 
 def shard_run(root: Path, *, tied: bool) -> tuple[Path, Path, Path]:
     """(base, merged run, the same run as 2-rank FSDP2 shards) under `root`: a planted verl run at uneven steps."""
     base = make_base(root / "base", tied=tied)
     write_planted_run(base, root / "merged", VERL_STEPS, layout="verl", noise=0.02)
-    (root / "shard.py").write_text(SHARD)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(root / "shard.py"),
-               str(root / "merged"), str(root / "sharded"), ",".join(map(str, VERL_STEPS))]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
+    write_sharded_run(root / "merged", root / "sharded", VERL_STEPS)
     return base, root / "merged", root / "sharded"
 
 
@@ -88,6 +56,29 @@ def test_shards_read_as_the_merged_checkpoint(runs):
         assert torch.equal(reader.read(name), expected.read(name)), name
     rows = reader.read("model.embed_tokens.weight", (40, 60))  # rows 40..59 span both ranks' halves (48 rows each)
     assert torch.equal(rows, expected.read("model.embed_tokens.weight", (40, 60)))
+    assert reader._states is None  # every read came from the places the records name, none through torch.load
+
+
+def test_an_fsdp2_shards_records_say_what_torch_load_builds(runs):
+    """Each DTensor FSDP2 saved, taken apart by relex.io.torch_save: the whole's shape and dtype, its placement, and
+    the rank's local part (shape, strides, offset in its storage) as torch.load builds them."""
+    import torch.distributed.tensor  # noqa: F401 - lets torch.load build DTensors
+
+    from relex.io.torch_save import DTensorRecord, read_records
+
+    _, _, sharded = runs
+    path = sharded / "global_step_7" / "actor" / "model_world_size_2_rank_1.pt"
+    records, places = read_records(path)
+    loaded = torch.load(path, weights_only=True, mmap=True)
+    assert set(records) == set(loaded)
+    for name, value in loaded.items():
+        record, local = records[name], value.to_local()
+        assert isinstance(record, DTensorRecord), name
+        assert (record.shape, record.dtype) == (tuple(value.shape), value.dtype), name
+        assert record.placements == tuple((type(p).__name__, {"dim": p.dim}) for p in value.placements), name
+        assert (record.local.shape, record.local.stride, record.local.storage_offset) == \
+            (tuple(local.shape), local.stride(), local.storage_offset()), name
+        assert places[record.local.storage.key][1] == local.untyped_storage().nbytes(), name
 
 
 def test_ingested_shards_equal_the_merged_run(runs, tmp_path):
@@ -107,16 +98,6 @@ def test_ingested_shards_equal_the_merged_run(runs, tmp_path):
     for name in ("from-shards", "from-merged"):
         assert cli("fit", tmp_path / name, "--out", tmp_path / f"fit-{name}") == 0
     assert (tmp_path / "fit-from-shards" / "gram.safetensors").read_bytes() == (tmp_path / "fit-from-merged" / "gram.safetensors").read_bytes()
-
-
-class Payload:
-    """What a hostile shard would run when unpickled freely."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -9,16 +9,19 @@ one-dimensional device mesh of the W ranks. A tensor is the concatenation of its
 dimension in rank order (what verl's model merger computes); rows of a tensor sharded along its rows are assembled
 from the ranks that hold them only.
 
-The files are opened with `torch.load(weights_only=True, mmap=True)`: the unpickler builds tensors and the classes
-torch registers for DTensors (the DTensor, its spec and placements, the device mesh), nothing else, and the values
-stay on disk until a tensor is read. A file holding any other object (a class of the training code, a function,
-a string beside the tensors) is refused in one line naming the file; relex never unpickles freely.
+Each file is taken apart without building a tensor (relex.io.torch_save: Python's C unpickler, every global it
+meets mapped to a small record): names, shapes, dtypes, placements and where each part's values lie in the file,
+in a seventh of the time `torch.load` takes. A file holding any other object (a class of the training
+code, a function, a string beside the tensors) is refused in one line naming the file; relex never unpickles
+freely. A file those records cannot describe (another torch's pickling) is loaded with
+`torch.load(weights_only=True, mmap=True)` instead, and its values are then read through torch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
 from pathlib import Path
@@ -27,6 +30,7 @@ import torch
 
 from relex.errors import RelexError
 from relex.io.checkpoint import CheckpointReader, TensorInfo
+from relex.io.torch_save import DTensorRecord, Refused, Storage, TensorRecord, Unknown, read_records
 
 LOG = logging.getLogger(__name__)
 
@@ -93,11 +97,6 @@ def _quiet(logger_name: str):
         logger.setLevel(level)
 
 
-def _local(value: torch.Tensor) -> torch.Tensor:
-    """A rank's own part of a tensor in its shard: a DTensor's local tensor, or a plain tensor itself."""
-    return value.to_local() if hasattr(value, "to_local") else value
-
-
 class ShardFile:
     """One rank's `.pt` file, open for reads a caller makes itself (relex.store.TensorFiles): its plain
     descriptor, and the error for a read that found fewer bytes than the file held when it was opened."""
@@ -123,32 +122,13 @@ class ShardFile:
             pass
 
 
-_STORAGE_RECORD = re.compile(r"(?:^|/)data/\d+")  # the zip records `torch.save` writes a storage's bytes in
-
-
-def _record_base(path: Path, storages: dict[int, int]) -> int | None:
-    """Where `torch.load(mmap=True)` mapped `path`: the address of its byte 0, found from the storages it loaded
-    (`storages`: data pointer -> bytes), each at the offset of its own record in the zip file (torch's reader gives
-    every record's offset and size; `torch.save` writes each storage as one stored, uncompressed record). None
-    unless exactly one address puts every storage at a record of its size."""
-    if not storages:
-        return None
-    try:
-        reader = torch._C.PyTorchFileReader(str(path))
-        records = {reader.get_record_offset(name): reader.get_record_size(name)
-                   for name in reader.get_all_records() if _STORAGE_RECORD.fullmatch(name)}
-    except (AttributeError, RuntimeError):  # a torch without this reader, or not a zip file
-        return None
-    first, found = min(storages), set()
-    for offset in records:
-        base = first - offset
-        if all(records.get(pointer - base) == size for pointer, size in storages.items()):
-            found.add(base)
-    return found.pop() if len(found) == 1 else None
-
-
 class VerlShardReader:
-    """Reads named tensors (or row ranges of them) from verl's per-rank `.pt` shards; the CheckpointReader interface."""
+    """Reads named tensors (or row ranges of them) from verl's per-rank `.pt` shards; the CheckpointReader interface.
+
+    Each rank's file is taken apart once into records (`read_shard`): names, shapes, dtypes, placements and where
+    each part's values lie, which is all ingest and a pass through the kernels need. Blocks read for a tensor
+    split along its rows (or held whole by every rank) come from those places too; only a tensor split otherwise
+    (or a file the records cannot describe) is read through `torch.load`, loaded on first need."""
 
     def __init__(self, folder: str | Path, direct: bool = False):
         self.folder = Path(folder)
@@ -156,28 +136,29 @@ class VerlShardReader:
         if not self.paths:
             raise RelexError(f"{self.folder}: no model_world_size_W_rank_R.pt files")
         self.files = {path.name: path for path in self.paths}  # what a store's size counts
-        self._states: list[dict[str, torch.Tensor]] | None = None
-        self._opened: list[tuple[ShardFile, int | None]] | None = None  # per rank: its file and mapped address
+        self._ranks: list[tuple[dict, dict]] | None = None  # per rank: name -> record, storage key -> (offset, bytes)
+        self._opened: list[ShardFile] | None = None
+        self._states: list[dict[str, torch.Tensor]] | None = None  # torch.load's, for what the records cannot read
 
-    def _load(self) -> list[dict[str, torch.Tensor]]:
-        """Every rank's state dict (memory-mapped, loaded on first use), checked to name the same tensors."""
-        if self._states is None:
-            states = [load_shard(path) for path in self.paths]
-            for path, state in zip(self.paths[1:], states[1:]):
-                if set(state) != set(states[0]):
-                    odd = sorted(set(state) ^ set(states[0]))[0]
+    def _records(self) -> list[tuple[dict, dict]]:
+        """Every rank's records (taken apart on first use), checked to name the same tensors."""
+        if self._ranks is None:
+            ranks = [read_shard(path) for path in self.paths]
+            for path, (state, _) in zip(self.paths[1:], ranks[1:]):
+                if set(state) != set(ranks[0][0]):
+                    odd = sorted(set(state) ^ set(ranks[0][0]))[0]
                     raise RelexError(f"{path}: tensor {odd} is in some ranks' shards and not in others")
-            self._states = states
-        return self._states
+            self._ranks = ranks
+        return self._ranks
 
-    def _parts(self, name: str) -> list[torch.Tensor]:
+    def _parts(self, name: str) -> list[TensorRecord | DTensorRecord]:
         try:
-            return [state[name] for state in self._load()]
+            return [state[name] for state, _ in self._records()]
         except KeyError:
             raise RelexError(f"{self.folder}: tensor {name} is missing") from None
 
     def names(self) -> list[str]:
-        return sorted(self._load()[0])
+        return sorted(self._records()[0][0])
 
     def info(self, name: str) -> TensorInfo:
         part = self._parts(name)[0]
@@ -195,11 +176,10 @@ class VerlShardReader:
         for name in self.names():
             parts = self._parts(name)
             where = []
-            for part in parts:
-                local = _local(part)
-                if local.numel() == 0:
+            for part in map(_local, parts):
+                if part.numel == 0:
                     break
-                where.append((local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), local.stride(), local.dtype))
+                where.append((part.storage.key, part.storage_offset, part.shape, part.stride, part.dtype))
             else:
                 groups.setdefault((tuple(where), self._shard_dim(name, parts[0])), set()).add(name)
         return [names for names in groups.values() if len(names) > 1]
@@ -209,47 +189,68 @@ class VerlShardReader:
         TensorFiles): (file, byte offset, values) for each rank's part in order, for a tensor split along its rows
         (`Shard(0)`), or rank 0's part for one every rank holds whole; None where the parts are not runs of the
         whole's values in order (a split along another dimension, a part that is not contiguous) or where a
-        file's layout cannot be told (`_record_base`)."""
+        file's layout could not be told (read through torch.load)."""
         parts = self._parts(name)
         dim = self._shard_dim(name, parts[0])
         if dim not in (None, 0) or len(parts[0].shape) == 0:
             return None
-        locals_ = [_local(part) for part in parts]
+        ranks = list(zip(self._open_files(), self._records(), map(_local, parts)))
         if dim is None:
-            locals_ = locals_[:1]
-        opened = self._open_files()
+            ranks = ranks[:1]
         segments = []
-        for (file, base), local in zip(opened, locals_):
-            if local.numel() == 0:
+        for file, (_, places), local in ranks:
+            if local.numel == 0:
                 continue
-            if base is None or not local.is_contiguous() or local.dtype != locals_[0].dtype:
+            if local.storage.key not in places or not local.is_contiguous() or local.dtype != parts[0].dtype:
                 return None
-            offset = local.untyped_storage().data_ptr() - base + local.storage_offset() * local.element_size()
-            segments.append((file, offset, local.numel()))
-        if sum(values for _, _, values in segments) != parts[0].numel():  # padded parts, say: read in blocks
+            segments.append((file, _value_offset(file.path, name, local, places), local.numel))
+        if sum(values for _, _, values in segments) != math.prod(parts[0].shape):  # padded parts, say: in blocks
             return None
         return segments
 
-    def _open_files(self) -> list[tuple[ShardFile, int | None]]:
-        """Each rank's file, opened for reads, and where torch mapped it (None: unknown, so read in blocks)."""
+    def _open_files(self) -> list[ShardFile]:
+        """Each rank's file, opened for reads."""
         if self._opened is None:
-            opened = []
-            for path, state in zip(self.paths, self._load()):
-                storages = {}
-                for value in state.values():
-                    local = _local(value)
-                    if local.numel():
-                        storage = local.untyped_storage()
-                        storages[storage.data_ptr()] = storage.nbytes()
-                opened.append((ShardFile(path), _record_base(path, storages)))
-            self._opened = opened
+            self._opened = [ShardFile(path) for path in self.paths]
         return self._opened
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor `name`, assembled from the ranks' parts; with `rows=(a, b)`, only rows a..b-1."""
-        parts = self._parts(name)
-        dim = self._shard_dim(name, parts[0])
-        locals_ = [_local(part) for part in parts]
+        info = self.info(name)
+        segments = self.segments(name)
+        if segments is None:
+            return self._read_loaded(name, rows)
+        first, last = self._rows(info, rows)
+        out = torch.empty((last - first, *info.shape[1:]), dtype=info.dtype)
+        _read_values(name, segments, first * math.prod(info.shape[1:]), out)
+        return out
+
+    def read_into(self, name: str, out: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
+        """The tensor (or rows a..b-1) into `out`, straight from the files where `out` is contiguous and of its dtype."""
+        info = self.info(name)
+        segments = self.segments(name)
+        first, last = self._rows(info, rows)
+        count = (last - first) * math.prod(info.shape[1:])
+        if segments is None or out.dtype != info.dtype or not out.is_contiguous() or out.numel() != count:
+            out.copy_(self.read(name, rows).reshape(out.shape))
+            return
+        _read_values(name, segments, first * math.prod(info.shape[1:]), out)
+
+    @staticmethod
+    def _rows(info: TensorInfo, rows: tuple[int, int] | None) -> tuple[int, int]:
+        """The first and past-the-last row that `rows` asks for (all when None)."""
+        if rows is None or not info.shape:
+            return 0, info.shape[0] if info.shape else 1
+        first = min(rows[0], info.shape[0])
+        return first, max(first, min(rows[1], info.shape[0]))
+
+    def _read_loaded(self, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
+        """The tensor (or rows a..b-1) from the ranks' state dicts as torch.load builds them."""
+        if self._states is None:
+            self._states = [load_shard(path) for path in self.paths]
+        parts = [state[name] for state in self._states]
+        dim = self._shard_dim(name, self._parts(name)[0])
+        locals_ = [part.to_local() if hasattr(part, "to_local") else part for part in parts]
         if dim is None:
             whole = locals_[0]
             return (whole if rows is None else whole[rows[0] : rows[1]]).clone()
@@ -265,25 +266,21 @@ class VerlShardReader:
             start = end
         return torch.cat(pieces) if pieces else locals_[0][:0].clone()
 
-    def read_into(self, name: str, out: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
-        out.copy_(self.read(name, rows).reshape(out.shape))
-
-    def _shard_dim(self, name: str, part: torch.Tensor) -> int | None:
+    def _shard_dim(self, name: str, part: TensorRecord | DTensorRecord) -> int | None:
         """The dimension the ranks split `name` along, None when each holds all of it (or it is a plain tensor)."""
-        placements = getattr(part, "placements", None)
-        if placements is None:
+        if not isinstance(part, DTensorRecord):
             return None
-        if len(placements) != 1:
+        if len(part.placements) != 1:
             raise RelexError(
-                f"{self.folder}: tensor {name} is placed {placements} on a {len(placements)}-dimensional device mesh; "
-                "relex reads shards of one-dimensional FSDP meshes; merge this checkpoint with verl's model merger"
+                f"{self.folder}: tensor {name} is placed {_placed(part)} on a {len(part.placements)}-dimensional device "
+                "mesh; relex reads shards of one-dimensional FSDP meshes; merge this checkpoint with verl's model merger"
             )
-        placement = placements[0]
-        if placement.is_replicate():
+        kind, fields = part.placements[0]
+        if kind == "Replicate":
             return None
-        if placement.is_shard():
-            return placement.dim
-        raise RelexError(f"{self.folder}: tensor {name} has placement {placement}; only Shard and Replicate can be read")
+        if kind == "Shard" and isinstance(fields.get("dim"), int):
+            return fields["dim"] % len(part.shape) if part.shape else fields["dim"]
+        raise RelexError(f"{self.folder}: tensor {name} has placement {_placed(part)}; only Shard and Replicate can be read")
 
     def __enter__(self) -> "VerlShardReader":
         return self
@@ -292,6 +289,77 @@ class VerlShardReader:
         self.close()
 
     def close(self) -> None:
-        for file, _ in self._opened or ():
+        for file in self._opened or ():
             file.close()
-        self._states, self._opened = None, None
+        self._ranks, self._opened, self._states = None, None, None
+
+
+def read_shard(path: Path) -> tuple[dict, dict[str, tuple[int, int]]]:
+    """One rank's state dict as records (relex.io.torch_save: name -> TensorRecord or DTensorRecord) and its
+    storages' places in the file (key -> byte offset, bytes). A file the records cannot describe is loaded by
+    torch instead (`load_shard`, which refuses what is not a tensor) and its records have no places, so that its
+    tensors are read through torch."""
+    try:
+        state, places = read_records(path)
+    except Refused as refused:
+        raise RelexError(f"{path}: holds a pickled {refused.what}; relex reads only tensors") from None
+    except Unknown as why:
+        LOG.info("%s: read through torch.load (%s)", path, why)
+        return {name: _record_of(value) for name, value in load_shard(path).items()}, {}
+    if not isinstance(state, dict):
+        raise RelexError(f"{path}: holds a {type(state).__name__}, not a state dict of tensors")
+    for name, value in state.items():
+        if not isinstance(name, str) or not isinstance(value, (TensorRecord, DTensorRecord)):
+            raise RelexError(f"{path}: holds a {_kind(value)} under {str(name)[:80]!r}; relex reads only tensors")
+    return dict(state), places
+
+
+def _kind(value) -> str:
+    return getattr(value, "kind", None) if isinstance(getattr(value, "kind", None), str) else type(value).__name__
+
+
+def _record_of(tensor: torch.Tensor) -> TensorRecord | DTensorRecord:
+    """The record of a tensor torch.load built (no place in the file: its storage key is its address)."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    storage = local.untyped_storage()
+    record = TensorRecord(Storage(f"@{storage.data_ptr()}", local.dtype, storage.nbytes() // local.element_size()),
+                          local.storage_offset(), tuple(local.shape), local.stride())
+    if local is tensor:
+        return record
+    placements = tuple((type(p).__name__, {"dim": p.dim} if hasattr(p, "dim") else {}) for p in tensor.placements)
+    return DTensorRecord(record, tuple(tensor.shape), tensor.dtype, placements)
+
+
+def _local(part: TensorRecord | DTensorRecord) -> TensorRecord:
+    """A rank's own part of a tensor in its shard: a DTensor's local tensor, or a plain tensor itself."""
+    return part.local if isinstance(part, DTensorRecord) else part
+
+
+def _placed(part: DTensorRecord) -> str:
+    return "(" + ", ".join(f"{kind}({', '.join(f'{k}={v}' for k, v in fields.items())})" for kind, fields in part.placements) + ")"
+
+
+def _value_offset(path: Path, name: str, local: TensorRecord, places: dict[str, tuple[int, int]]) -> int:
+    """The byte offset of a part's first value in its file, after checking that its values lie within its storage's
+    record."""
+    offset, nbytes = places[local.storage.key]
+    size = local.dtype.itemsize
+    if (local.storage_offset + local.extent()) * size > nbytes or local.storage_offset < 0:
+        raise RelexError(f"{path}: tensor {name} lies past the end of its storage (a damaged file)")
+    return offset + local.storage_offset * size
+
+
+def _read_values(name: str, segments: list[tuple[ShardFile, int, int]], start: int, out: torch.Tensor) -> None:
+    """Values start.. of the tensor whose segments these are, into `out` (C-contiguous), by pread."""
+    view = memoryview(out.view(-1).view(torch.uint8).numpy())
+    size, stop, at = out.element_size(), start + out.numel(), 0
+    for file, offset, values in segments:
+        a, b = max(start, at), min(stop, at + values)
+        if a < b:
+            into, done, nbytes = view[(a - start) * size : (b - start) * size], 0, (b - a) * size
+            while done < nbytes:
+                got = os.preadv(file.descriptor, [into[done:]], offset + (a - at) * size + done)
+                if got <= 0:
+                    raise file.short_read(name)
+                done += got
+        at += values
