@@ -375,3 +375,23 @@ def test_the_reading_kernels_join_a_row_from_segments_in_several_files(tmp_path)
             os.close(fd)
     assert relative_error(gram_module.symmetric(lower), reference(m)) < 1e-6
     assert np.abs(out - w.astype(np.float64) @ m.astype(np.float64)).max() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_output_rounded_to_2_bytes_is_torchs_rounding_bit_for_bit(dtype):
+    """`rounded` (gram_kernel.round_half), which extrapolate uses for bf16 and fp16 checkpoints, against torch's own
+    `.to(dtype)`: every 251st float32 bit pattern (zeros, subnormals, ties, values past the dtype's range that round
+    to ±Inf, NaNs) rounds to the same bits, a NaN to a NaN; its Σ (rounded − exact)² is the float64 sum of torch's
+    float32 differences, and not finite exactly when an output is not."""
+    patterns = torch.arange(0, 1 << 32, 251, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    out, lost = gram_module.rounded(patterns, dtype)
+    want = patterns.to(dtype)
+    nan = torch.isnan(want)
+    assert torch.isnan(out[nan]).all() and nan.any()
+    assert torch.equal(out[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    assert not np.isfinite(lost)
+    finite = patterns[torch.isfinite(want)]
+    out, lost = gram_module.rounded(finite, dtype)
+    differences = (finite.to(dtype).float() - finite).double()
+    assert np.isfinite(lost) and lost == pytest.approx(float((differences * differences).sum()), rel=1e-12)
+    assert gram_module.rounded(finite, torch.float64) is None and gram_module.rounded(finite[::2], dtype) is None

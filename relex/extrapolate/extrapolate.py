@@ -43,7 +43,7 @@ from relex.fit.fit import (
     validate,
     window_indices,
 )
-from relex.fit.gram import GRAM, resolve_device
+from relex.fit.gram import GRAM, resolve_device, rounded
 from relex.fit.passes import DEFAULT_HOLD_ELEMENTS, Consumer, PassBudget, ProductBuffers, plan_pass, run_pass
 from relex.fit.trajectory_fit import fit_tensor
 from relex.io.atomic import atomic_output, check_output, write_lock
@@ -205,6 +205,10 @@ class _Pass:
         report._pred_sq += float(checks[0])
         if dtype == torch.float32:  # float32 output is the computation itself: nothing is rounded away
             return exact, math.isfinite(float(checks[1]))
+        if (by_kernel := rounded(exact, dtype)) is not None:  # bf16 or fp16 on the CPU: one loop, no GIL
+            out, lost_sq = by_kernel
+            report._lost_sq += lost_sq
+            return out, math.isfinite(lost_sq)
         out = exact.to(dtype)
         if out.dtype in (torch.bfloat16, torch.float16):
             self._lost = reused(self._lost, exact.numel(), torch.float32)

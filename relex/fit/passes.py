@@ -306,7 +306,8 @@ class ProductBuffers:
     def __init__(self, smallest: int = 2**18, keep_bytes: int = 2**27):
         self.smallest, self.keep_bytes = smallest, keep_bytes
         self._lock = threading.Lock()
-        self._free: list[torch.Tensor] = []  # oldest first
+        self._free: list[tuple[int, torch.Tensor]] = []  # (values, buffer), oldest first
+        self._free_values = 0  # what `_free` holds in all
         self._held: dict[int, list] = {}  # storage address -> [buffer, holds]
 
     def take(self, numel: int) -> torch.Tensor:
@@ -314,9 +315,10 @@ class ProductBuffers:
         if numel < self.smallest:
             return torch.empty(numel, dtype=torch.float32)
         with self._lock:
-            fits = [i for i, b in enumerate(self._free) if numel <= b.numel() <= 2 * numel]
+            fits = [(size, i) for i, (size, _) in enumerate(self._free) if numel <= size <= 2 * numel]
             if fits:
-                buffer = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+                size, buffer = self._free.pop(min(fits)[1])
+                self._free_values -= size
             else:
                 buffer = torch.empty(numel, dtype=torch.float32)
             self._held[_address(buffer)] = [buffer, 1]
@@ -340,9 +342,10 @@ class ProductBuffers:
             if entry[1]:
                 return
             del self._held[key]
-            self._free.append(entry[0])
-            while sum(4 * b.numel() for b in self._free) > self.keep_bytes:
-                self._free.pop(0)
+            self._free.append((entry[0].numel(), entry[0]))
+            self._free_values += entry[0].numel()
+            while 4 * self._free_values > self.keep_bytes:
+                self._free_values -= self._free.pop(0)[0]
 
     @property
     def held(self) -> int:
