@@ -152,6 +152,11 @@ _STORAGE_DTYPES = {
 }
 
 
+# torch's dtypes by the names a pickle gives them (torch.float32, torch.bfloat16, …): read from the module's own
+# namespace, since looking a name up on the module could import one of its lazily loaded submodules
+_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+
+
 class _StateDict(dict):
     """A state dict's OrderedDict, which `torch.save` pickles with its `_metadata` attribute."""
 
@@ -242,8 +247,8 @@ class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in _BUILDERS:
             return _BUILDERS[module, name]
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        if module == "torch" and name in _DTYPES:
+            return _DTYPES[name]
         if module == "torch" and name in _STORAGE_DTYPES:
             return _StorageKind(_STORAGE_DTYPES[name])
         if module.startswith("torch.distributed."):
