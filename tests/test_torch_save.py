@@ -150,3 +150,22 @@ def test_reads_from_the_places_equal_torch_loads(tmp_path):
         reader.read_into(name, out, (1, 4))
         assert torch.equal(out, tensor[1:4].reshape(-1))
     assert reader._states is None  # torch.load was never needed
+
+
+def test_a_dtensor_on_a_2d_mesh_is_refused_naming_its_placements(tmp_path):
+    """HSDP or tensor parallelism places a tensor on a mesh of two dimensions: refused in one line that names the
+    placements, before any value is read (merge such checkpoints with verl's model merger)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    actor = tmp_path / "actor"
+    actor.mkdir()
+    try:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+        mesh = DeviceMesh("cpu", [[0]])
+        state = {"w": DTensor.from_local(torch.randn(4, 2), mesh, [Shard(0), Replicate()])}
+        saved(actor, state, "model_world_size_1_rank_0.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+    with pytest.raises(RelexError, match=r"tensor w is placed \(Shard\(dim=0\), Replicate\(\)\) on a 2-dimensional device mesh"):
+        VerlShardReader(actor).segments("w")
