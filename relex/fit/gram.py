@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from relex.errors import RelexError
-from relex.store import TensorFiles
+from relex.store import KERNEL_DTYPES, TensorFiles
 
 LOG = logging.getLogger(__name__)
 
@@ -214,14 +214,13 @@ def rounded(exact: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, floa
     """`exact` (float32, on the CPU, contiguous) rounded to bf16 or fp16 as torch rounds it, and Σ (rounded − exact)²
     in float64, in one loop without the GIL (`gram_kernel.round_half`); None where that kernel does not apply (no
     numba, another dtype or device), for the caller to round with torch."""
-    names = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-    if dtype not in names or exact.device.type != "cpu" or exact.dtype != torch.float32 or not exact.is_contiguous():
+    if dtype not in (torch.bfloat16, torch.float16) or exact.device.type != "cpu" or exact.dtype != torch.float32 or not exact.is_contiguous():
         return None
     kernel = _kernel()
     if kernel is None:
         return None
     out = torch.empty(exact.shape, dtype=dtype)
-    lost = kernel.round_half(exact.numpy(), out.view(torch.int16).numpy().view(np.uint16), names[dtype])
+    lost = kernel.round_half(exact.numpy(), out.view(torch.int16).numpy().view(np.uint16), KERNEL_DTYPES[dtype])
     return out, lost
 
 

@@ -48,6 +48,18 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
     return out
 
 
+def pread_exactly(fd: int, view: memoryview, offset: int) -> bool:
+    """Bytes offset..offset+len(view) of the open file `fd` into `view` (pread, as many calls as it takes): True, or
+    False when the file ends first (it was cut short or rewritten since its layout was read)."""
+    done, nbytes = 0, len(view)
+    while done < nbytes:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            return False
+        done += got
+    return True
+
+
 def _bounce_buffer(size: int) -> mmap.mmap:
     buffer = getattr(_bounce, "buffer", None)
     if buffer is None or len(buffer) < size:
@@ -198,12 +210,8 @@ class SafetensorsFile:
                 # not closed here: another reader thread may be using the descriptor, and a number closed under it
                 # can be reused for another file at once; `close` closes it
                 self._direct_refused = True
-        done = 0
-        while done < nbytes:
-            got = os.preadv(self._fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise self.short_read(name)
-            done += got
+        if not pread_exactly(self._fd, view, offset):
+            raise self.short_read(name)
 
     def _read_direct(self, name: str, offset: int, nbytes: int, view: memoryview) -> None:
         """Bytes offset..offset+nbytes into `view`, in aligned pieces through this thread's bounce buffer."""

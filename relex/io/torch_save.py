@@ -171,8 +171,8 @@ class _Inert:
 
     kind = "?"
 
-    def __init__(self, *args):
-        self.args, self.state = args, {}
+    def __init__(self, *args):  # what it was built from is not kept: only its state is read
+        self.state = {}
 
     def __setstate__(self, state) -> None:
         if isinstance(state, tuple) and len(state) == 2:  # (dict, slots)
@@ -205,10 +205,10 @@ def _rebuild_parameter(data, requires_grad=False, hooks=None, state=None):
 
 
 class _Wrapper:
-    """A tensor subclass built empty (`torch._utils._rebuild_wrapper_subclass`), its state set after."""
+    """A tensor subclass built empty (`torch._utils._rebuild_wrapper_subclass`); `_rebuild_from_type` reads its state."""
 
     def __init__(self, kind, dtype, size, stride=None, storage_offset=None, layout=None, device=None, requires_grad=False):
-        self.kind, self.dtype, self.shape, self.state = kind, dtype, tuple(map(int, size)), {}
+        self.kind, self.dtype, self.shape = kind, dtype, tuple(map(int, size))
 
 
 def _rebuild_from_type(func, new_type, args, state):

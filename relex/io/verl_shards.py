@@ -30,6 +30,7 @@ import torch
 
 from relex.errors import RelexError
 from relex.io.checkpoint import CheckpointReader, TensorInfo
+from relex.io.safetensors_file import pread_exactly
 from relex.io.torch_save import DTensorRecord, Refused, Storage, TensorRecord, Unknown, read_records
 
 LOG = logging.getLogger(__name__)
@@ -216,8 +217,7 @@ class VerlShardReader:
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor `name`, assembled from the ranks' parts; with `rows=(a, b)`, only rows a..b-1."""
-        info = self.info(name)
-        segments = self.segments(name)
+        info, segments = self.info(name), self.segments(name)
         if segments is None:
             return self._read_loaded(name, rows)
         first, last = self._rows(info, rows)
@@ -228,13 +228,14 @@ class VerlShardReader:
     def read_into(self, name: str, out: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
         """The tensor (or rows a..b-1) into `out`, straight from the files where `out` is contiguous and of its dtype."""
         info = self.info(name)
-        segments = self.segments(name)
         first, last = self._rows(info, rows)
-        count = (last - first) * math.prod(info.shape[1:])
-        if segments is None or out.dtype != info.dtype or not out.is_contiguous() or out.numel() != count:
+        row = math.prod(info.shape[1:])
+        fits = out.dtype == info.dtype and out.is_contiguous() and out.numel() == (last - first) * row
+        segments = self.segments(name) if fits else None  # else `read` finds them, or reads through torch
+        if segments is None:
             out.copy_(self.read(name, rows).reshape(out.shape))
             return
-        _read_values(name, segments, first * math.prod(info.shape[1:]), out)
+        _read_values(name, segments, first * row, out)
 
     @staticmethod
     def _rows(info: TensorInfo, rows: tuple[int, int] | None) -> tuple[int, int]:
@@ -250,7 +251,7 @@ class VerlShardReader:
             self._states = [load_shard(path) for path in self.paths]
         parts = [state[name] for state in self._states]
         dim = self._shard_dim(name, self._parts(name)[0])
-        locals_ = [part.to_local() if hasattr(part, "to_local") else part for part in parts]
+        locals_ = [_local_tensor(part) for part in parts]
         if dim is None:
             whole = locals_[0]
             return (whole if rows is None else whole[rows[0] : rows[1]]).clone()
@@ -310,17 +311,13 @@ def read_shard(path: Path) -> tuple[dict, dict[str, tuple[int, int]]]:
         raise RelexError(f"{path}: holds a {type(state).__name__}, not a state dict of tensors")
     for name, value in state.items():
         if not isinstance(name, str) or not isinstance(value, (TensorRecord, DTensorRecord)):
-            raise RelexError(f"{path}: holds a {_kind(value)} under {str(name)[:80]!r}; relex reads only tensors")
+            raise RelexError(f"{path}: holds a {type(value).__name__} under {str(name)[:80]!r}; relex reads only tensors")
     return dict(state), places
-
-
-def _kind(value) -> str:
-    return getattr(value, "kind", None) if isinstance(getattr(value, "kind", None), str) else type(value).__name__
 
 
 def _record_of(tensor: torch.Tensor) -> TensorRecord | DTensorRecord:
     """The record of a tensor torch.load built (no place in the file: its storage key is its address)."""
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    local = _local_tensor(tensor)
     storage = local.untyped_storage()
     record = TensorRecord(Storage(f"@{storage.data_ptr()}", local.dtype, storage.nbytes() // local.element_size()),
                           local.storage_offset(), tuple(local.shape), local.stride())
@@ -328,6 +325,11 @@ def _record_of(tensor: torch.Tensor) -> TensorRecord | DTensorRecord:
         return record
     placements = tuple((type(p).__name__, {"dim": p.dim} if hasattr(p, "dim") else {}) for p in tensor.placements)
     return DTensorRecord(record, tuple(tensor.shape), tensor.dtype, placements)
+
+
+def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A rank's own part of a tensor torch.load built: a DTensor's local tensor, or a plain tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _local(part: TensorRecord | DTensorRecord) -> TensorRecord:
@@ -355,11 +357,6 @@ def _read_values(name: str, segments: list[tuple[ShardFile, int, int]], start: i
     size, stop, at = out.element_size(), start + out.numel(), 0
     for file, offset, values in segments:
         a, b = max(start, at), min(stop, at + values)
-        if a < b:
-            into, done, nbytes = view[(a - start) * size : (b - start) * size], 0, (b - a) * size
-            while done < nbytes:
-                got = os.preadv(file.descriptor, [into[done:]], offset + (a - at) * size + done)
-                if got <= 0:
-                    raise file.short_read(name)
-                done += got
+        if a < b and not pread_exactly(file.descriptor, view[(a - start) * size : (b - start) * size], offset + (a - at) * size):
+            raise file.short_read(name)
         at += values
