@@ -3,7 +3,7 @@
 Forms M Mᵀ over blocks of T × (block values / T) float32 values, as `relex fit` does, for as many columns as a
 model has parameters (SmolLM2-135M by default), on 1 thread and on all of them, and prints seconds, GFLOP/s
 (counting the full T × T product, 2·T²·n, for all) and the speed-ups, for torch and for the kernel with each of
-its tiles (relex.fit.gram_kernel: 4 × 4 where the CPU has AVX-512, 3 × 3 otherwise; the one this CPU runs is
+its tiles (relex.fit.gram_kernel, compiled by relex.fit.native: 4 × 4 where the CPU has AVX-512, 3 × 3 otherwise; the one this CPU runs is
 marked). The blocks are made once and reused, so the figures are arithmetic, not reading.
 
     .venv/bin/python scripts/bench_gram.py [--steps 20] [--parameters 134515008] [--block-values 4194304]
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from relex.fit import gram_kernel
+from relex.fit import native
 from relex.fit.gram import cpu_gram
 
 
@@ -56,7 +56,7 @@ def main() -> None:
     threads = torch.get_num_threads()
     print(f"T = {args.steps}, {count * columns / 1e6:.1f} M columns in {count} blocks of {columns}; "
           f"{flops / 1e9:.0f} GFLOP for the full products; this CPU's tile: "
-          f"{gram_kernel.TILE}x{gram_kernel.TILE}")
+          f"{native.TILE}x{native.TILE}")
     for n in sorted({1, threads}):
         torch.set_num_threads(n)
         seconds = {name: timed(form, blocks, count) for name, form in forms.items()}

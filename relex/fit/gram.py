@@ -2,9 +2,10 @@
 
 G is a sum over any split of the d columns of M, so one block of T × rows values is in memory at a time, on
 the chosen device; a block of a few MiB is still in the CPU cache when its product is formed. Each block's
-product is formed in float32 (on the CPU by the kernel in `gram_kernel`, which computes the lower triangle only,
-in tiles sized to the CPU's vector registers; by torch's matrix multiply on a GPU or without numba) and the
-blocks are accumulated in float64, so long runs and large tensors do not lose digits.
+product is formed in float32 (on the CPU by relex.fit.gram_kernel's kernel, compiled ahead of time by
+relex.fit.native, which computes the lower triangle only, in tiles sized to the CPU's vector registers; by torch's
+matrix multiply on a GPU or without numba) and the blocks are accumulated in float64, so long runs and large
+tensors do not lose digits.
 
 The pass that builds G is also where non-finite values are caught (ingest does not read them unless asked to):
 a NaN or Inf anywhere in step i's row of M makes G[i, i] = Σ M[i, c]² non-finite, so one look at the diagonal
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from relex.errors import RelexError
+from relex.fit import native
 from relex.store import KERNEL_DTYPES, TensorFiles
 
 LOG = logging.getLogger(__name__)
@@ -36,7 +38,7 @@ LOG = logging.getLogger(__name__)
 # a block's columns are formed in parts of this many, the unit of work a thread takes; a Gram is the sum of its
 # parts' Grams, each formed on its own and added in column order, so its bits do not depend on how many threads
 # form it, nor on which of a pass's threads does (a reader with one, the caller with the others: relex.store).
-# A whole number of the kernel's column pieces (gram_kernel.PIECES), within which it sums in float32, so splitting
+# A whole number of the kernel's column pieces (native.PIECES), within which it sums in float32, so splitting
 # changes no float32 sum; float64 sums of float32 values of like size are exact, so the parts almost always give
 # the bits of one pass over the whole block too (they did on the SmolLM2 store, for every tensor).
 PART_COLUMNS = 1 << 15
@@ -66,7 +68,7 @@ def chunk_gram(chunk: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def cpu_gram(matrix: np.ndarray, threads: int = 1, tile: int | None = None) -> np.ndarray:
-    """M Mᵀ in float64 for a C-contiguous float32 M (T × n), by `gram_kernel`: the Grams of its PART_COLUMNS-wide
+    """M Mᵀ in float64 for a C-contiguous float32 M (T × n), by the compiled kernel: the Grams of its PART_COLUMNS-wide
     parts, formed by up to `threads` threads and added in order, so the same bits whatever `threads` is (`tile`:
     the kernel's, default this CPU's)."""
     kernel = _kernel()
@@ -114,7 +116,7 @@ def _run_parts(form, parts: int, threads: int) -> None:
 
 def chunk_sums(w: torch.Tensor, matrix: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """W · M for one block (W: weights × T, M: T × c, both float32 on one device), into `out` when given (float32,
-    on the host, weights × c). On the CPU by `gram_kernel.weighted_sums` with as many threads as torch would use,
+    on the host, weights × c). On the CPU by the compiled `weighted_sums` with as many threads as torch would use,
     elsewhere (a GPU, or without numba) by torch's matrix multiply."""
     if matrix.device.type == "cpu" and _kernel() is not None and matrix.is_contiguous():
         if out is None:
@@ -125,7 +127,7 @@ def chunk_sums(w: torch.Tensor, matrix: torch.Tensor, out: torch.Tensor | None =
 
 
 def cpu_sums(w: np.ndarray, matrix: np.ndarray, out: np.ndarray, threads: int = 1) -> None:
-    """W · M into `out` by `gram_kernel.weighted_sums`, M's columns in the parts `cpu_gram` forms, over up to
+    """W · M into `out` by the compiled `weighted_sums`, M's columns in the parts `cpu_gram` forms, over up to
     `threads` threads (each output value is a sum over the steps of one column: the same bits however split)."""
     kernel = _kernel()
     w = np.ascontiguousarray(w, dtype=np.float32)
@@ -138,7 +140,7 @@ def cpu_sums(w: np.ndarray, matrix: np.ndarray, out: np.ndarray, threads: int = 
 
 def reads_files(device: torch.device) -> bool:
     """Whether a pass on `device` can have the kernels read the values from their files themselves (on the CPU,
-    with numba: `file_gram`, `file_sums`)."""
+    with the compiled kernels: `file_gram`, `file_sums`)."""
     return device.type == "cpu" and _reading_kernel() is not None
 
 
@@ -156,7 +158,7 @@ def file_sums(w: np.ndarray, files, out: np.ndarray, start: int, stop: int, base
               checks: np.ndarray | None = None) -> None:
     """(W · M)[:, start:stop] into `out` (float32, weights × (stop − start)) for the tensor at `files`, by the kernel
     that reads its values as it goes, one thread; with `base` and `checks`, θ₀ · base added and the checks formed
-    (gram_kernel.file_sums)."""
+    (native.Kernels.file_sums)."""
     status = _reading_kernel().file_sums(w, files, out, start, stop, base, checks)
     if status:
         raise files.read_failed(status)
@@ -165,33 +167,33 @@ def file_sums(w: np.ndarray, files, out: np.ndarray, start: int, stop: int, base
 def prepare(device: torch.device) -> None:
     """Load (or, in a fresh install, compile) the CPU kernels now, so that the first block does not wait for them."""
     if device.type == "cpu":
-        _kernel()  # its trial product compiles the kernel or loads it from numba's cache
+        _kernel()
 
 
 @functools.cache
-def _kernel():
-    """relex.fit.gram_kernel, or None without numba (then torch's matrix multiply forms the Gram).
+def _kernel() -> native.Kernels | None:
+    """The compiled CPU kernels (relex.fit.native), or None without numba (then torch's matrix multiply forms the
+    Gram and W · M).
 
-    Also None, with a warning, when numba is installed but cannot compile or cache the kernel (e.g. no writable
-    cache folder: set NUMBA_CACHE_DIR), so that a fit never fails for want of the faster path.
+    Also None, with a warning, when numba is installed but the kernels cannot be compiled or loaded, so that a fit
+    never fails for want of the faster path.
     """
     try:
-        from relex.fit import gram_kernel  # numba sets up its cache here, at import
-
-        # compile the kernels, or load them from the cache
-        gram_kernel.accumulate(np.ones((5, 3), dtype=np.float32), np.zeros((5, 5)))
-        gram_kernel.weighted_sums(np.ones((2, 5), dtype=np.float32), np.ones((5, 3), dtype=np.float32), np.zeros((2, 3), dtype=np.float32))
+        kernels = native.load()
+        # a trial product of each kind, so that a kernel that cannot run here is found now
+        kernels.accumulate(np.ones((5, 3), dtype=np.float32), np.zeros((5, 5)))
+        kernels.weighted_sums(np.ones((2, 5), dtype=np.float32), np.ones((5, 3), dtype=np.float32), np.zeros((2, 3), dtype=np.float32))
     except ImportError:  # numba is not installed
         return None
-    except Exception as error:  # numba's own errors have no common base class
-        LOG.warning("the numba Gram kernel is unavailable (%s); using torch's matrix product", error)
+    except Exception as error:  # numba's and llvmlite's errors have no common base class
+        LOG.warning("the compiled CPU kernels are unavailable (%s); using torch's matrix product", error)
         return None
-    return gram_kernel
+    return kernels
 
 
 @functools.cache
 def _reading_kernel():
-    """relex.fit.gram_kernel when its reading kernels (`file_gram`, `file_sums`) run here, else None (no numba, or
+    """The compiled kernels when their reading kernels (`file_gram`, `file_sums`) run here, else None (none, or
     a platform without `pread`: then passes read blocks for the kernels, relex.store). Tried on the null device,
     which every read finds empty."""
     kernel = _kernel()
@@ -204,16 +206,16 @@ def _reading_kernel():
             found = (kernel.file_gram(files, np.zeros((1, 1))), kernel.file_sums(np.ones((2, 1), dtype=np.float32), files, np.zeros((2, 3), dtype=np.float32)))
         finally:
             os.close(fd)
-    except Exception as error:  # numba's own errors have no common base class
-        LOG.warning("the numba kernels that read files are unavailable (%s); passes read blocks for them", error)
+    except Exception as error:  # e.g. a platform without pread
+        LOG.warning("the kernels that read files are unavailable (%s); passes read blocks for them", error)
         return None
     return kernel if found == (1, 1) else None
 
 
 def rounded(exact: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float] | None:
     """`exact` (float32, on the CPU, contiguous) rounded to bf16 or fp16 as torch rounds it, and Σ (rounded − exact)²
-    in float64, in one loop without the GIL (`gram_kernel.round_half`); None where that kernel does not apply (no
-    numba, another dtype or device), for the caller to round with torch."""
+    in float64, in one loop without the GIL (native.Kernels.round_half); None where that kernel does not apply (no
+    compiled kernels, another dtype or device), for the caller to round with torch."""
     if dtype not in (torch.bfloat16, torch.float16) or exact.device.type != "cpu" or exact.dtype != torch.float32 or not exact.is_contiguous():
         return None
     kernel = _kernel()

@@ -1,15 +1,18 @@
-"""CPU kernels for a pass's arithmetic on one block, compiled with numba: the Gram matrix M Mᵀ (T × T, T small,
-M's rows long), and the weighted sums W · M (`weighted_sums`, below); and both of them for a tensor whose files
-they read themselves (`file_gram`, `file_sums`, at the end).
+"""CPU kernels for a pass's arithmetic on one block, written for numba: the Gram matrix M Mᵀ (T × T, T small,
+M's rows long), and the weighted sums W · M (`_sums`, below); both of them for a tensor whose files they read
+themselves (`_file_lower`, `_file_sums`); and an output's rounding to 2 bytes (`_round_half`, at the end). relex
+does not call them through numba's dispatch: `entry_points` puts them behind C entry points, which relex.fit.native
+compiles once into an object file for this CPU and every later process loads without importing numba; its
+`Kernels` is the Python face of these kernels (argument checks, the buffers they work in).
 
 Why not `M @ M.T`: torch's CPU BLAS (MKL) treats this skinny product (m = n = T ≈ 20, k = millions) like any
 other GEMM and, on the AMD EPYC machines we measured, runs it at about a third of the core's float32 FMA
 rate, and it computes both triangles. Here each tile of the lower triangle keeps its sums in registers while
-one pass streams its rows through them, over column pieces small enough to stay in L2 (`PIECE`), so the
+one pass streams its rows through them, over column pieces small enough to stay in L2 (`native.PIECES`), so the
 product runs near the FMA rate and does little more than the lower triangle's work (`scripts/bench_gram.py`
 measures torch and both tiles).
 
-The tile depends on how many vector registers the CPU has (`TILE`). With AVX-512's 32, a 4 × 4 tile keeps its
+The tile depends on how many vector registers the CPU has (`native.TILE`). With AVX-512's 32, a 4 × 4 tile keeps its
 16 sums in registers; it measured 149 GFLOP/s (full product) on such a machine. With AVX2's 16, those 16 sums
 spill, and a 3 × 3 tile (9 sums) ran 1.07-2.3x faster for T = 6..50 on a Zen 3 machine, one thread
 (`scripts/bench_gram.py`, and a loop over 71 MB blocks). Rows past the last whole tile repeat the last row
@@ -20,12 +23,11 @@ across pieces. Only reassociation and FMA contraction are allowed (not numba's f
 Inf in M still propagates into the Gram. A machine always runs the same tile, so its results are reproducible
 there; two machines with different vector units differ in the last bits, as any vectorised sum does.
 
-Importing this module imports numba (about 0.2 s); `relex.fit.gram` does so on first use and falls back to
-torch when numba is not installed. The compiled kernels are cached beside this file (numba's `cache=True`), so
-only the first process compiles them (about 1 s each). Loading them makes numba import its NumPy implementations,
-one of which looks for a BLAS by importing scipy.linalg (0.27 s here, while both of a pass's threads wait), only
-to choose how `np.correlate`-like inner products are compiled; none of these kernels uses one, so that module is
-imported here with the look skipped (`_import_numba_arraymath`).
+Importing this module imports numba (about 0.25 s), which only compiling the kernels needs. numba's NumPy
+implementations, imported with it, look for a BLAS by importing scipy.linalg (0.27 s), only to choose how
+`np.correlate`-like inner products are compiled; none of these kernels uses one, so that module is imported here
+with the look skipped (`_import_numba_arraymath`). The kernels' callees are cached beside this file (numba's
+`cache=True`), so compiling the entry points again (another CPU, a new version) takes seconds, not a minute.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import numba
 import numpy as np
 from llvmlite import ir as llvm_ir
 from numba.extending import intrinsic
+
+from relex.fit.native import ENTRIES, SUM_PIECE
 
 
 def _import_numba_arraymath() -> None:
@@ -67,23 +71,6 @@ def _import_numba_arraymath() -> None:
 _import_numba_arraymath()
 
 _FLAGS = {"reassoc", "contract"}
-
-
-def _wide_vector_registers() -> bool:
-    """Whether the CPU has AVX-512 (32 vector registers), where numba's code keeps 16 sums in registers."""
-    try:
-        from llvmlite import binding
-
-        return bool(binding.get_host_cpu_features().get("avx512f", False))
-    except Exception:  # an unknown CPU: the tile that fits 16 registers is right on every one
-        return False
-
-
-TILE = 4 if _wide_vector_registers() else 3  # rows (and columns) of a tile of the Gram
-# columns per piece: T = 20 rows of float32 are 1.3 MiB at 16384 (a 2 MiB L2, where the 4 × 4 tile was
-# measured) and 0.3 MiB at 4096 (a 512 KiB L2, where the 3 × 3 tile was)
-PIECES = {4: 16384, 3: 4096}
-PIECE = PIECES[TILE]
 
 
 @numba.njit(fastmath=_FLAGS, nogil=True, cache=True, boundscheck=False)
@@ -143,12 +130,11 @@ def _dot(x, y):  # pragma: no cover - compiled
     return s
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _lower(m, gram, start, stop, piece):  # pragma: no cover - compiled
+def _lower(m, gram, start, stop, piece, out):  # pragma: no cover - compiled
     """gram[i, j] += ⟨m_i, m_j⟩ over columns start:stop, for j ≤ i, in 4 × 4 tiles; m is a C-contiguous float32
-    T × n array, gram float64 T × T."""
+    T × n array, gram float64 T × T, `out` room for a tile's 16 float32 sums."""
     steps = m.shape[0]
     tiled = steps - steps % 4
-    out = np.zeros(16, np.float32)
     for k0 in range(start, stop, piece):
         k1 = min(stop, k0 + piece)
         for i in range(0, tiled, 4):
@@ -163,12 +149,11 @@ def _lower(m, gram, start, stop, piece):  # pragma: no cover - compiled
                 gram[i, j] += _dot(m[i][k0:k1], m[j][k0:k1])
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _lower3(m, gram, start, stop, piece):  # pragma: no cover - compiled
-    """As `_lower`, in 3 × 3 tiles; a tile past the last row repeats it, and its sums for rows past the last
-    (or above the diagonal) are not added."""
+def _lower3(m, gram, start, stop, piece, out):  # pragma: no cover - compiled
+    """As `_lower`, in 3 × 3 tiles (`out`: room for 9 sums); a tile past the last row repeats it, and its sums for
+    rows past the last (or above the diagonal) are not added."""
     steps = m.shape[0]
     last = steps - 1
-    out = np.zeros(9, np.float32)
     for k0 in range(start, stop, piece):
         k1 = min(stop, k0 + piece)
         for i in range(0, steps, 3):
@@ -180,29 +165,16 @@ def _lower3(m, gram, start, stop, piece):  # pragma: no cover - compiled
                         gram[i + p, j + q] += out[3 * p + q]
 
 
-def accumulate(matrix: np.ndarray, gram: np.ndarray, start: int = 0, stop: int | None = None, tile: int | None = None) -> None:
-    """Add the lower triangle of M Mᵀ over M's columns start:stop to `gram` (float64, T × T, upper triangle
-    untouched). M = `matrix`, float32 and C-contiguous (T × n). Releases the GIL: threads can split the columns.
-    `tile`: 4 or 3 (default `TILE`, this CPU's)."""
-    tile = tile or TILE
-    lower = _lower if tile == 4 else _lower3
-    lower(matrix, gram, start, matrix.shape[1] if stop is None else stop, PIECES[tile])
-
-
 # ---- weighted sums ------------------------------------------------------------------------------------------------
 # W · M for a few rows of weights (targets × methods) against T long rows: torch's BLAS (MKL) ran this skinny
 # product at 6.8 GB/s of M on the development machine (Zen 3, one thread), this loop at 7.9 GB/s. Each output
 # value is a sum over the steps in order, in float32 (FMA contraction allowed), the same on every call.
-SUM_PIECE = 1024  # columns per piece: T = 20 rows of it are 80 KiB, in L2 while two rows of W pass over them
-
-
 @numba.njit(fastmath=_FLAGS, nogil=True, cache=True, boundscheck=False)
-def _sums(w, m, out, start, stop, piece):  # pragma: no cover - compiled
+def _sums(w, m, out, start, stop, piece, a, b):  # pragma: no cover - compiled
     """out[r, c] = Σ_s w[r, s] m[s, c] for columns start:stop, two rows of W at a time over each column piece (an
-    odd last row is paired with itself); w float32 R × T, m float32 T × n, out float32 R × n, all C-contiguous."""
+    odd last row is paired with itself); w float32 R × T, m float32 T × n, out float32 R × n, all C-contiguous;
+    a and b: room for `piece` float32 sums each."""
     rows, steps = w.shape
-    a = np.empty(piece, np.float32)
-    b = np.empty(piece, np.float32)
     for k0 in range(start, stop, piece):
         k1 = min(stop, k0 + piece)
         width = k1 - k0
@@ -222,12 +194,6 @@ def _sums(w, m, out, start, stop, piece):  # pragma: no cover - compiled
                     b[k] += w1 * v
             out[r, k0:k1] = a[:width]
             out[r1, k0:k1] = b[:width]
-
-
-def weighted_sums(w: np.ndarray, matrix: np.ndarray, out: np.ndarray, start: int = 0, stop: int | None = None) -> None:
-    """out[:, start:stop] = (W · M)[:, start:stop] for float32, C-contiguous W (R × T), M (T × n) and out (R × n).
-    Releases the GIL: threads can split the columns."""
-    _sums(w, matrix, out, start, matrix.shape[1] if stop is None else stop, SUM_PIECE)
 
 
 # ---- reading as they go ------------------------------------------------------------------------------------------
@@ -306,20 +272,19 @@ def _read_piece(fds, offsets, bounds, dtypes, subtract, base_fd, base_offset, ba
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _file_lower(fds, offsets, bounds, dtypes, subtract, base_fd, base_offset, base_dtype, n, piece, tile, gram):  # pragma: no cover - compiled
+def _file_lower(fds, offsets, bounds, dtypes, subtract, base_fd, base_offset, base_dtype, n, piece, tile, gram, rows, base_row, half, out):  # pragma: no cover - compiled
     """gram[i, j] += ⟨m_i, m_j⟩ (j ≤ i) over all n columns, read `piece` columns at a time: on each, `_lower` (tile
-    4) or `_lower3` (tile 3)."""
-    steps = fds.shape[0]
-    rows, base_row, half = np.empty((steps, piece), np.float32), np.empty(piece, np.float32), np.empty(piece, np.uint16)
+    4) or `_lower3` (tile 3). Room: `rows` T × piece and `base_row` piece float32, `half` piece uint16, `out` a
+    tile's sums."""
     for start in range(0, n, piece):
         width = min(piece, n - start)
         status = _read_piece(fds, offsets, bounds, dtypes, subtract, base_fd, base_offset, base_dtype, start, width, rows, base_row, half)
         if status:
             return status
         if tile == 4:
-            _lower(rows, gram, 0, width, piece)
+            _lower(rows, gram, 0, width, piece, out)
         else:
-            _lower3(rows, gram, 0, width, piece)
+            _lower3(rows, gram, 0, width, piece, out)
     return 0
 
 
@@ -343,59 +308,20 @@ def _add_base(b, base_row, out, start, width, checks):  # pragma: no cover - com
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _file_sums(w, b, fds, offsets, bounds, dtypes, subtract, base_fd, base_offset, base_dtype, start, stop, piece, out, checks):  # pragma: no cover - compiled
+def _file_sums(w, b, fds, offsets, bounds, dtypes, subtract, base_fd, base_offset, base_dtype, start, stop, piece, out, checks, rows, base_row, half, sa, sb):  # pragma: no cover - compiled
     """out[:, c - start] = Σ_s w[:, s] m[s, c] for columns start..stop, read `piece` columns at a time: `_sums` on
     each (out: R × (stop − start) float32); then, where `b` has a weight per row of W, θ₀ · b added and `checks`
-    (`_add_base`) with θ₀'s piece read beside the steps' (an empty `b`: none)."""
-    steps = fds.shape[0]
-    rows, base_row, half = np.empty((steps, piece), np.float32), np.empty(piece, np.float32), np.empty(piece, np.uint16)
+    (`_add_base`) with θ₀'s piece read beside the steps' (an empty `b`: none). Room as `_file_lower`'s, and `sa`,
+    `sb` SUM_PIECE float32 each."""
     for k0 in range(start, stop, piece):
         width = min(piece, stop - k0)
         status = _read_piece(fds, offsets, bounds, dtypes, subtract, base_fd, base_offset, base_dtype, k0, width, rows, base_row, half)
         if status:
             return status
-        _sums(w, rows, out[:, k0 - start : k0 - start + width], 0, width, SUM_PIECE)
+        _sums(w, rows, out[:, k0 - start : k0 - start + width], 0, width, SUM_PIECE, sa, sb)
         if b.shape[0]:
             _add_base(b, base_row, out, k0 - start, width, checks)
     return 0
-
-
-def read_piece_columns(steps: int, tile: int | None = None) -> int:
-    """Columns per piece the reading kernels take: `steps` rows of them within the L2 share the tile's pieces were
-    measured in (T = 20 rows of PIECE columns), a multiple of 256, at least 256."""
-    piece = PIECES[tile or TILE]
-    columns = piece * 20 // max(1, steps)
-    return max(256, min(piece, columns // 256 * 256))
-
-
-def _located(files, base: bool = False) -> tuple:
-    """A relex.store.TensorFiles as the kernels take it: θ₀ is read where a step subtracts it, or with `base`."""
-    reads_base = base or bool(files.subtract.any())
-    return (files.descriptors, files.offsets, files.bounds, files.dtypes, files.subtract,
-            files.base_descriptor if reads_base else -1, files.base_offset, files.base_dtype)
-
-
-def file_gram(files, gram: np.ndarray, tile: int | None = None) -> int:
-    """Add the lower triangle of M Mᵀ for the tensor at `files` (relex.store.TensorFiles) to `gram` (float64 T × T),
-    reading its values as it goes; 0, or the status of a short read (above). Releases the GIL."""
-    tile = tile or TILE
-    return _file_lower(*_located(files), files.numel, read_piece_columns(len(files.descriptors), tile), tile, gram)
-
-
-def file_sums(w: np.ndarray, files, out: np.ndarray, start: int = 0, stop: int | None = None,
-              base: np.ndarray | None = None, checks: np.ndarray | None = None) -> int:
-    """out = (W · M)[:, start:stop] for the tensor at `files`, reading its values as it goes (W float32 R × T, out
-    float32 R × (stop − start), C-contiguous rows); 0, or the status of a short read. Releases the GIL.
-
-    With `base` (float32, one weight per row of W) and `checks` (float64 R × 2): out = θ₀ · base + W · M, θ₀'s
-    values read beside the steps' (`files.base_descriptor`, which must be open), and checks[r] += (Σ (W · M)[r]²,
-    Σ out[r]): the second is finite exactly when every value of out[r] is."""
-    stop = files.numel if stop is None else stop
-    if base is None:
-        base, checks = np.zeros(0, dtype=np.float32), np.zeros((0, 2))
-    elif files.base_descriptor < 0:
-        raise ValueError(f"tensor {files.name}: θ₀ is not where the kernels can read it (TensorFiles.base_descriptor)")
-    return _file_sums(w, base, *_located(files, base=len(base) > 0), start, stop, read_piece_columns(len(files.descriptors)), out, checks)
 
 
 # ---- an output rounded to 2 bytes ---------------------------------------------------------------------------------
@@ -450,10 +376,55 @@ def _round_half(exact, out, dtype):  # pragma: no cover - compiled
     return lost
 
 
-def round_half(exact: np.ndarray, out: np.ndarray, dtype: int) -> float:
-    """`exact` (float32, contiguous) rounded to bf16 or fp16 (`dtype`: relex.store.KERNEL_DTYPES's code, 1 or 2) into
-    `out` (uint16, the values' bits, as long); returns Σ (out − exact)² (float64; not finite when an output value is
-    not). Releases the GIL."""
-    if dtype not in (1, 2):
-        raise ValueError(f"round_half rounds to bf16 (1) or fp16 (2), not dtype code {dtype}")
-    return _round_half(exact.reshape(-1), out.reshape(-1), dtype)
+
+# ---- the entry points compiled ahead of time ---------------------------------------------------------------------
+def entry_points() -> dict:
+    """The kernels above behind C entry points (numba cfuncs, compiled on this call), one for each of
+    relex.fit.native.ENTRIES: every array comes as the address of its first value and its sizes, C-contiguous, and
+    every buffer a kernel works in comes from the caller, so none allocates (the compiled code needs numba's
+    runtime for nothing). relex.fit.native compiles them into one object file, which a process loads without
+    importing numba."""
+    from numba import carray
+
+    c = {"p": numba.types.voidptr, "i": numba.types.int64, "d": numba.types.float64}
+
+    def cfunc(function):
+        result, arguments = ENTRIES[function.__name__]
+        return numba.cfunc(c[result](*(c[a] for a in arguments)), error_model="numpy")(function)
+
+    f32, f64 = np.float32, np.float64
+
+    def lower(m, steps, columns, gram, start, stop, piece, tile, out):  # pragma: no cover - compiled
+        matrix, sums = carray(m, (steps, columns), f32), carray(gram, (steps, steps), f64)
+        if tile == 4:
+            _lower(matrix, sums, start, stop, piece, carray(out, 16, f32))
+        else:
+            _lower3(matrix, sums, start, stop, piece, carray(out, 9, f32))
+        return 0
+
+    def sums(w, rows, steps, m, columns, out, start, stop, piece, a, b):  # pragma: no cover - compiled
+        _sums(carray(w, (rows, steps), f32), carray(m, (steps, columns), f32), carray(out, (rows, columns), f32),
+              start, stop, piece, carray(a, piece, f32), carray(b, piece, f32))
+        return 0
+
+    def file_lower(fds, offsets, bounds, dtypes, subtract, steps, segments, base_fd, base_offset, base_dtype, n, piece,
+                   tile, gram, rows, base_row, half, out):  # pragma: no cover - compiled
+        return _file_lower(carray(fds, (steps, segments), np.int32), carray(offsets, (steps, segments), np.int64),
+                           carray(bounds, (steps, segments + 1), np.int64), carray(dtypes, steps, np.uint8),
+                           carray(subtract, steps, np.uint8), base_fd, base_offset, base_dtype, n, piece, tile,
+                           carray(gram, (steps, steps), f64), carray(rows, (steps, piece), f32), carray(base_row, piece, f32),
+                           carray(half, piece, np.uint16), carray(out, 16, f32))
+
+    def file_sums(w, r, b, nb, fds, offsets, bounds, dtypes, subtract, steps, segments, base_fd, base_offset, base_dtype,
+                  start, stop, piece, out, checks, rows, base_row, half, sa, sb):  # pragma: no cover - compiled
+        return _file_sums(carray(w, (r, steps), f32), carray(b, nb, f32), carray(fds, (steps, segments), np.int32),
+                          carray(offsets, (steps, segments), np.int64), carray(bounds, (steps, segments + 1), np.int64),
+                          carray(dtypes, steps, np.uint8), carray(subtract, steps, np.uint8), base_fd, base_offset,
+                          base_dtype, start, stop, piece, carray(out, (r, stop - start), f32), carray(checks, (nb, 2), f64),
+                          carray(rows, (steps, piece), f32), carray(base_row, piece, f32), carray(half, piece, np.uint16),
+                          carray(sa, SUM_PIECE, f32), carray(sb, SUM_PIECE, f32))
+
+    def round_half(exact, out, n, dtype):  # pragma: no cover - compiled
+        return _round_half(carray(exact, n, f32), carray(out, n, np.uint16), dtype)
+
+    return {function.__name__: cfunc(function) for function in (lower, sums, file_lower, file_sums, round_half)}

@@ -354,14 +354,21 @@ def write_text_atomic(path: str | Path, text: str, *, lock: bool = False) -> Pat
 
     With `lock`, `path`'s write lock is held (callers that already hold a lock for the folder leave it off).
     """
+    return write_bytes_atomic(path, text.encode(), lock=lock)
+
+
+def write_bytes_atomic(path: str | Path, data: bytes, *, lock: bool = False, make_parents: bool = False) -> Path:
+    """As `write_text_atomic`, for bytes; with `make_parents`, the folders above `path` are made where missing."""
     path = Path(path)
     if path.is_dir():
         raise RelexError(f"{path}: is a folder; choose another output file")
     with write_lock(path) if lock else contextlib.nullcontext():
         tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
         try:
-            with open(tmp, "w") as handle:
-                handle.write(text)
+            if make_parents:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as handle:
+                handle.write(data)
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(tmp, path)
