@@ -199,7 +199,7 @@ def plan_pass(
     if device is not None and device.type == "cuda":
         largest_block = min(largest_block, device_block_elements(budget, device))
     chunk, hold = min(budget.chunk_elements, largest_block), min(budget.hold_elements, largest_block)
-    if in_kernel is None:  # direct reads never go to the kernels: their numba then loads beside the first reads
+    if in_kernel is None:  # direct reads never go to the kernels: the kernels then load beside the first reads
         in_kernel = not reader.direct and reads_files(device or torch.device("cpu"))
     tensors = []
     for name in names:
