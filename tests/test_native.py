@@ -128,3 +128,27 @@ def test_the_kernels_buffers_start_a_cache_line(shape, dtype):
         assert array.ctypes.data % native.ALIGNMENT == 0
         assert array.shape == np.empty(shape).shape and array.dtype == dtype
         assert array.flags.c_contiguous and array.flags.writeable
+
+
+def test_threads_that_load_at_once_compile_once(monkeypatch, tmp_path, compiled):
+    """A pass loads the kernels on a thread of its own while its main thread plans: in a fresh install the second
+    caller waits for the first and loads what it kept."""
+    import threading
+    import time
+
+    monkeypatch.setenv("RELEX_CACHE", str(tmp_path / "cache"))
+    compiles = []
+
+    def slow_compile():
+        compiles.append(1)
+        time.sleep(0.5)
+        return compiled
+
+    monkeypatch.setattr(native, "compile_object", slow_compile)
+    loaded = []
+    threads = [threading.Thread(target=lambda: loaded.append(native.load())) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert compiles == [1] and len(loaded) == 3 and all(isinstance(k, native.Kernels) for k in loaded)

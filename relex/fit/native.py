@@ -28,6 +28,7 @@ import hashlib
 import importlib.metadata
 import logging
 import platform
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -295,11 +296,20 @@ def _columns(start: int, stop: int, columns: int) -> None:
         raise ValueError(f"columns {start}:{stop} of {columns}")
 
 
+_LOADING = threading.Lock()
+
+
 def load() -> Kernels:
     """This CPU's compiled kernels: the object in relex's user cache, or compiled now (numba) and kept there. A
     cache that cannot be written is no error (each process compiles them, as without a cache); a kept object whose
     checksum does not match (cut short, damaged) is compiled again: LLVM's loader is never handed bytes relex did
-    not write whole."""
+    not write whole. One thread at a time: a pass loads them on a thread of its own while its main thread plans,
+    and in a fresh install the second caller then loads what the first compiled instead of compiling too."""
+    with _LOADING:
+        return _load()
+
+
+def _load() -> Kernels:
     path = object_path()
     try:
         code = _unsealed(path.read_bytes())
