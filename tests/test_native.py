@@ -152,3 +152,16 @@ def test_threads_that_load_at_once_compile_once(monkeypatch, tmp_path, compiled)
     for thread in threads:
         thread.join()
     assert compiles == [1] and len(loaded) == 3 and all(isinstance(k, native.Kernels) for k in loaded)
+
+
+def test_each_thread_reuses_its_own_room_for_the_reading_kernels():
+    import threading
+
+    here = native._Room.of_thread(20, 4096)
+    assert native._Room.of_thread(20, 4096) is here and native._Room.of_thread(5, 4096) is not here
+    assert all(b.ctypes.data % native.ALIGNMENT == 0 for b in here.buffers)
+    other = []
+    thread = threading.Thread(target=lambda: other.append(native._Room.of_thread(20, 4096)))
+    thread.start()
+    thread.join()
+    assert other[0] is not here and other[0].buffers[0].ctypes.data != here.buffers[0].ctypes.data
