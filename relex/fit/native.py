@@ -6,14 +6,15 @@ sets up numba's compiler to load the cached code (0.24-0.32 s), all holding the 
 store of copied deltas that was a sixth of the whole command, with the other core idle. Here the kernels' C entry
 points (`gram_kernel.entry_points`, numba cfuncs) are compiled once into one object file for this CPU, kept in
 relex's user cache (`kernels/`), and each later process loads that file with llvmlite's JIT linker (the machine
-code is not compiled again) and calls it through ctypes, which releases the GIL: 0.06-0.07 s, most of it
-importing llvmlite.
+code is not compiled again) and calls it through ctypes, which releases the GIL: 0.008 s, after importing
+llvmlite (0.03-0.06 s, which numba's import included).
 
 The object is LLVM's machine code for numba's optimised IR of those entry points: the same loops, vectorised the
 same way as numba's own JIT compiles them for this CPU (the same target options as numba's). Its name is a hash
 of what went into it: both modules' source, numba's and llvmlite's versions, the CPU's name and features. A
-change to any of these compiles a new one (`load`), the first call in a fresh install compiles it (a few seconds),
-and without numba, or where this cannot be done, relex.fit.gram forms its products with torch.
+change to any of these compiles a new one (`load`): the first call in a fresh install compiles it (about 20 s;
+6 s where numba's own cache of the kernels' callees is warm), and without numba, or where this cannot be done,
+relex.fit.gram forms its products with torch.
 
 numba's code for an exception (none of these kernels raises on the arguments the wrappers below check) calls
 into numba's and Python's runtime, which a process that has not imported numba lacks; those calls are linked to a
