@@ -165,3 +165,18 @@ def test_each_thread_reuses_its_own_room_for_the_reading_kernels():
     thread.start()
     thread.join()
     assert other[0] is not here and other[0].buffers[0].ctypes.data != here.buffers[0].ctypes.data
+
+
+def test_importing_relex_fit_leaves_llvmlite_unimported_until_a_kernel_is_used():
+    """Commands that import relex.fit but run no kernel (`relex ingest`, `relex eval`) do not wait for llvmlite;
+    the tile is worked out when it is first needed."""
+    code = (
+        "import sys\n"
+        "import relex.fit, relex.fit.gram\n"
+        "from relex.fit import native\n"
+        "assert not any(m.startswith('llvmlite') for m in sys.modules), 'llvmlite imported'\n"
+        "assert native.TILE in native.PIECES and 'llvmlite.binding' in sys.modules\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

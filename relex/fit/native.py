@@ -79,13 +79,25 @@ def _wide_vector_registers() -> bool:
         return False
 
 
-TILE = 4 if _wide_vector_registers() else 3  # rows (and columns) of a tile of the Gram
+def _tile() -> int:
+    """`TILE`, this CPU's rows (and columns) of a tile of the Gram: worked out on first use, not at import, since
+    asking LLVM for the CPU's features imports llvmlite (0.03-0.16 s here), which commands that import relex.fit
+    but run no kernel (`relex ingest`, `relex eval`) need not wait for. Set `TILE` to choose another."""
+    if "TILE" not in globals():
+        globals()["TILE"] = 4 if _wide_vector_registers() else 3
+    return globals()["TILE"]
+
+
+def __getattr__(name: str):
+    if name == "TILE":
+        return _tile()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def read_piece_columns(steps: int, tile: int | None = None) -> int:
     """Columns per piece the reading kernels take: `steps` rows of them within the L2 share the tile's pieces were
     measured in (T = 20 rows of PIECE columns), a multiple of 256, at least 256."""
-    piece = PIECES[tile or TILE]
+    piece = PIECES[tile or _tile()]
     columns = piece * 20 // max(1, steps)
     return max(256, min(piece, columns // 256 * 256))
 
@@ -173,7 +185,7 @@ class Kernels:
     def accumulate(self, matrix: np.ndarray, gram: np.ndarray, start: int = 0, stop: int | None = None, tile: int | None = None) -> None:
         """Add the lower triangle of M Mᵀ over M's columns start:stop to `gram` (float64, T × T, upper triangle
         untouched). M = `matrix`, float32 and C-contiguous (T × n). `tile`: 4 or 3 (default `TILE`, this CPU's)."""
-        tile = tile or TILE
+        tile = tile or _tile()
         steps, columns = _checked(matrix, np.float32, 2, written=False).shape
         stop = columns if stop is None else stop
         _columns(start, stop, columns)
@@ -195,7 +207,7 @@ class Kernels:
     def file_gram(self, files, gram: np.ndarray, tile: int | None = None) -> int:
         """Add the lower triangle of M Mᵀ for the tensor at `files` (relex.store.TensorFiles) to `gram` (float64
         T × T), reading its values as it goes; 0, or the status of a short read (relex.store.TensorFiles.read_failed)."""
-        tile = tile or TILE
+        tile = tile or _tile()
         located = _Located(files, reads_base=bool(files.subtract.any()))
         steps, piece = located.steps, read_piece_columns(located.steps, tile)
         room = _Room.of_thread(steps, piece)
@@ -286,8 +298,9 @@ ALIGNMENT = 64  # bytes: a cache line, and an AVX-512 vector
 
 def aligned_empty(shape, dtype) -> np.ndarray:
     """An uninitialised array whose first value starts a cache line. NumPy's own start 16 bytes into one (glibc's
-    malloc); the kernels' vector loads from such a buffer straddle two cache lines, and in a pass over the SmolLM2
-    store the kernels' threads took 0.5-0.7 CPU-s more with them than with numba's own 32-byte aligned buffers."""
+    malloc), numba's 32; the kernels' vector loads from such a buffer straddle two cache lines. In a pass over the
+    SmolLM2 store the kernels' threads took 0.5-1.0 CPU-s more with NumPy's buffers than with numba's (three
+    alternating pairs); aligned, part of that gap remained (docs/performance.md, stop 40)."""
     dtype = np.dtype(dtype)
     count = int(np.prod(shape))
     raw = np.empty(count * dtype.itemsize + ALIGNMENT, np.uint8)
